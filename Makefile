@@ -1,0 +1,46 @@
+# gpuobj developer entry points. README.md names `make demo` and `make test`;
+# both set everything up on a fresh machine (shared virtualenv, control-plane binaries).
+PYTHON ?= python3
+VENV := .venv/bin/python
+TOOLS ?= etcd kubernetes helm prometheus
+
+.PHONY: setup demo test test-unit lint toolchain dev-cluster-up dev-cluster-down bench dashboard clean
+
+setup:
+	@$(PYTHON) -m gpuobj.dev.pyenv
+	@$(PYTHON) -m gpuobj.dev.toolchain ensure $(TOOLS)
+
+demo: setup
+	@$(VENV) -m gpuobj.cli demo $(DEMO_ARGS)
+
+# pytest exits 5 when it collects nothing: say so rather than fail obscurely.
+test: setup
+	@$(VENV) -m ruff check .
+	@$(VENV) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
+
+test-unit: setup
+	@$(VENV) -m pytest -m "not cluster and not nixl" $(PYTEST_ARGS)
+
+lint: setup
+	@$(VENV) -m ruff check .
+	@$(VENV) -m ruff format --check .
+
+toolchain:
+	@$(PYTHON) -m gpuobj.dev.toolchain ensure $(TOOLS)
+
+dev-cluster-up: setup
+	@$(VENV) -m gpuobj.cli dev-cluster up
+
+dev-cluster-down:
+	@$(VENV) -m gpuobj.cli dev-cluster down
+
+bench: setup
+	@$(VENV) -m pip install --quiet "ray==2.60.0"
+	@$(VENV) bench/fetch_throughput.py
+
+dashboard: setup
+	@$(VENV) -m gpuobj.observability.dashboard --write
+
+clean:
+	rm -rf .venv .pytest_cache .ruff_cache

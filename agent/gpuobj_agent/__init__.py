@@ -1,0 +1,1 @@
+"""gpuobj agent: the per-pod object store, its NIXL agent and its control server."""

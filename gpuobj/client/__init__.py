@@ -1,0 +1,1 @@
+"""The gpuobj client library: what workloads import (see gpuobj.Client)."""

@@ -1,0 +1,124 @@
+"""Reference handles: what a workload holds for a GPUObject, and what it passes to another pod.
+
+Seed 004: dropping a handle, or exiting with handles alive, releases the reference
+without fetching or deserializing anything. A handle's finalizer only hands plain
+data (kind, namespace, name, uid) to the client's release queue; it touches no
+tensor, imports nothing and performs no I/O itself, so it is safe at interpreter
+shutdown.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gpuobj.layout import tensor_bytes
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+
+    def to_spec(self) -> dict:
+        return {"shape": list(self.shape), "dtype": self.dtype, "device": self.device}
+
+    @classmethod
+    def from_spec(cls, spec: dict) -> TensorLayout:
+        return cls(tuple(int(d) for d in spec.get("shape", [])), spec["dtype"], spec.get("device", "cpu"))
+
+
+@dataclass(frozen=True)
+class ObjectAddress:
+    """Everything needed to find and read an object: plain, picklable data."""
+
+    namespace: str
+    name: str
+    uid: str
+    object_id: str
+    source_pod: str
+    source_endpoint: str
+    layouts: tuple[TensorLayout, ...] = field(default_factory=tuple)
+
+    @property
+    def bytes(self) -> int:
+        return tensor_bytes([t.to_spec() for t in self.layouts])
+
+
+ReleaseFn = Callable[[str, str, str, str], None]  # (kind, namespace, name, uid)
+
+
+class ObjectRef:
+    """A live reference to a GPUObject held by this process.
+
+    ``kind`` is "owner" (this process put the object; releasing deletes the GPUObject),
+    "claim" (a GPUObjectClaim held by this pod; releasing deletes the claim) or
+    "address" (an unowned copy, e.g. unpickled: releasing does nothing).
+    """
+
+    __slots__ = ("__weakref__", "_finalizer", "address", "claim_name", "claim_uid", "kind")
+
+    def __init__(self, address: ObjectAddress, kind: str, release: ReleaseFn | None, *,
+                 claim_name: str | None = None, claim_uid: str | None = None) -> None:
+        self.address = address
+        self.kind = kind
+        self.claim_name = claim_name
+        self.claim_uid = claim_uid
+        self._finalizer: weakref.finalize | None = None
+        if release is not None and kind == "owner":
+            self._finalizer = weakref.finalize(self, release, "object", address.namespace, address.name, address.uid)
+        elif release is not None and kind == "claim":
+            assert claim_name and claim_uid
+            self._finalizer = weakref.finalize(self, release, "claim", address.namespace, claim_name, claim_uid)
+
+    @property
+    def name(self) -> str:
+        return self.address.name
+
+    @property
+    def namespace(self) -> str:
+        return self.address.namespace
+
+    @property
+    def alive(self) -> bool:
+        """True until released (explicitly, or when the handle was collected)."""
+        return self._finalizer is not None and self._finalizer.alive
+
+    def release(self) -> None:
+        """Drop this reference now. Idempotent."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def detach(self) -> None:
+        """Forget the reference without releasing it (it was handed to someone else)."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+
+    def __reduce__(self):
+        # A pickled handle carries the address only: the receiving process holds no
+        # reference until it adopts a share or borrows (see Client.share / Client.adopt).
+        return (_rebuild_address_ref, (self.address,))
+
+    def __repr__(self) -> str:
+        state = "live" if self.alive else ("unowned" if self._finalizer is None else "released")
+        return f"<ObjectRef {self.address.namespace}/{self.address.name} {self.kind} {state}>"
+
+
+def _rebuild_address_ref(address: ObjectAddress) -> ObjectRef:
+    return ObjectRef(address, "address", None)
+
+
+@dataclass(frozen=True)
+class SharedRef:
+    """A reference claimed on a receiver pod's behalf, ready to send (pickle, queue, HTTP).
+
+    The claim already exists and is owned by the receiver pod, so the sender may drop its
+    own reference at once: nothing is freed between hand-off and adoption (DESIGN, Borrow).
+    """
+
+    address: ObjectAddress
+    claim_name: str
+    claim_uid: str
+    holder_pod: str

@@ -1,0 +1,353 @@
+"""A small async Kubernetes REST client on aiohttp.
+
+Why not the official client: it is synchronous and slow per call, and the client
+library runs inside workloads' processes where a blocking call per put or release
+would cost more than the transfer. This speaks plain REST (JSON, merge and JSON
+patches, watches) and maps API errors to exceptions that say what went wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from gpuobj import names
+from gpuobj.kube.config import KubeConfig
+from gpuobj.kube.config import load as load_config
+
+
+@dataclass(frozen=True)
+class Resource:
+    """One API resource type: where its REST paths live."""
+
+    group: str
+    version: str
+    plural: str
+    kind: str
+    namespaced: bool = True
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+    def path(self, namespace: str | None = None, name: str | None = None, subresource: str | None = None) -> str:
+        base = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
+        if self.namespaced and namespace:
+            base += f"/namespaces/{namespace}"
+        base += f"/{self.plural}"
+        if name:
+            base += f"/{name}"
+            if subresource:
+                base += f"/{subresource}"
+        return base
+
+
+PODS = Resource("", "v1", "pods", "Pod")
+EVENTS = Resource("", "v1", "events", "Event")
+NAMESPACES = Resource("", "v1", "namespaces", "Namespace", namespaced=False)
+SECRETS = Resource("", "v1", "secrets", "Secret")
+LEASES = Resource("coordination.k8s.io", "v1", "leases", "Lease")
+CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition", namespaced=False)
+GPUOBJECTS = Resource(names.GROUP, names.VERSION, names.PLURAL_OBJECT, names.KIND_OBJECT)
+CLAIMS = Resource(names.GROUP, names.VERSION, names.PLURAL_CLAIM, names.KIND_CLAIM)
+STREAMS = Resource(names.GROUP, names.VERSION, names.PLURAL_STREAM, names.KIND_STREAM)
+
+
+class ApiError(Exception):
+    """The API server refused a request."""
+
+    def __init__(self, status: int, reason: str, message: str, body: dict | None = None) -> None:
+        super().__init__(f"{status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+        self.body = body or {}
+
+
+class NotFound(ApiError):
+    pass
+
+
+class Conflict(ApiError):
+    """409: resourceVersion conflict, or AlreadyExists on create."""
+
+    @property
+    def already_exists(self) -> bool:
+        return self.reason == "AlreadyExists"
+
+
+class Gone(ApiError):
+    """410: a watch's resourceVersion is too old; list again."""
+
+
+class Invalid(ApiError):
+    """422: schema or CEL validation refused the object."""
+
+
+_ERRORS = {404: NotFound, 409: Conflict, 410: Gone, 422: Invalid}
+
+PATCH_TYPES = {
+    "merge": "application/merge-patch+json",
+    "json": "application/json-patch+json",
+    "strategic": "application/strategic-merge-patch+json",
+    "apply": "application/apply-patch+yaml",
+}
+
+
+class KubeClient:
+    """One aiohttp session to one API server. Use as an async context manager or call close()."""
+
+    def __init__(self, config: KubeConfig | None = None, *, request_timeout: float = 30.0, pool: int = 32) -> None:
+        self.config = config or load_config()
+        self.request_timeout = request_timeout
+        self._pool = pool
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(ssl=self.config.ssl_context, limit=self._pool)
+            self._session = aiohttp.ClientSession(connector=connector, headers={"User-Agent": "gpuobj/0.1"})
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> KubeClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _headers(self, content_type: str | None = None) -> dict[str, str]:
+        headers = {"Accept": "application/json"}
+        token = self.config.bearer()
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        if content_type:
+            headers["Content-Type"] = content_type
+        return headers
+
+    @staticmethod
+    async def _raise_for(resp: aiohttp.ClientResponse) -> None:
+        if resp.status < 400:
+            return
+        text = await resp.text()
+        try:
+            body = json.loads(text)
+        except ValueError:
+            body = {}
+        cls = _ERRORS.get(resp.status, ApiError)
+        raise cls(resp.status, body.get("reason", resp.reason or ""), body.get("message", text[:500]), body)
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, Any] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+        timeout: float | None = None,
+    ) -> dict:
+        """One API call. A 429 (priority and fairness, a CRD's cache warming up) is retried after
+        its Retry-After, as client-go does, within the same deadline."""
+        data = None if body is None else (body if isinstance(body, str | bytes) else json.dumps(body))
+        deadline = asyncio.get_running_loop().time() + (timeout or self.request_timeout)
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            async with self.session.request(
+                method,
+                self.config.server + path,
+                params={k: str(v) for k, v in (params or {}).items() if v is not None},
+                data=data,
+                headers=self._headers(content_type if data is not None else None),
+                timeout=aiohttp.ClientTimeout(total=max(left, 0.1)),
+            ) as resp:
+                if resp.status == 429:
+                    delay = min(float(resp.headers.get("Retry-After", "1") or 1), 1.0)
+                    if asyncio.get_running_loop().time() + delay < deadline:
+                        await asyncio.sleep(delay)
+                        continue
+                await self._raise_for(resp)
+                if resp.status == 204:
+                    return {}
+                return await resp.json(content_type=None)
+
+    # ------------------------------------------------------------ verbs
+
+    async def get(
+        self, res: Resource, name: str, namespace: str | None = None, *, subresource: str | None = None
+    ) -> dict:
+        return await self.request("GET", res.path(namespace, name, subresource))
+
+    async def list(
+        self,
+        res: Resource,
+        namespace: str | None = None,
+        *,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+        limit: int | None = None,
+    ) -> dict:
+        """List all pages; the result's metadata.resourceVersion is the last page's (good for a watch)."""
+        items: list[dict] = []
+        cont: str | None = None
+        while True:
+            page = await self.request(
+                "GET",
+                res.path(namespace),
+                params={
+                    "labelSelector": label_selector,
+                    "fieldSelector": field_selector,
+                    "limit": limit,
+                    "continue": cont,
+                },
+            )
+            items.extend(page.get("items", []))
+            cont = page.get("metadata", {}).get("continue")
+            if not cont:
+                page["items"] = items
+                return page
+
+    async def create(
+        self, res: Resource, body: dict, namespace: str | None = None, *, subresource: str | None = None
+    ) -> dict:
+        body.setdefault("apiVersion", res.api_version)
+        body.setdefault("kind", res.kind)
+        path = res.path(namespace, body["metadata"]["name"], subresource) if subresource else res.path(namespace)
+        return await self.request("POST", path, body=body)
+
+    async def replace(
+        self, res: Resource, name: str, body: dict, namespace: str | None = None, *, subresource: str | None = None
+    ) -> dict:
+        return await self.request("PUT", res.path(namespace, name, subresource), body=body)
+
+    async def patch(
+        self,
+        res: Resource,
+        name: str,
+        body: Any,
+        namespace: str | None = None,
+        *,
+        subresource: str | None = None,
+        patch_type: str = "merge",
+        field_manager: str | None = None,
+        force: bool = False,
+    ) -> dict:
+        params: dict[str, Any] = {"fieldManager": field_manager}
+        if patch_type == "apply":
+            params["force"] = "true" if force else None
+        return await self.request(
+            "PATCH",
+            res.path(namespace, name, subresource),
+            params=params,
+            body=body,
+            content_type=PATCH_TYPES[patch_type],
+        )
+
+    async def delete(
+        self,
+        res: Resource,
+        name: str,
+        namespace: str | None = None,
+        *,
+        uid: str | None = None,
+        resource_version: str | None = None,
+        propagation: str | None = None,
+        grace_period_seconds: int | None = None,
+    ) -> dict:
+        """Delete, optionally only a given incarnation (uid) or version: a late delete never hits a successor."""
+        options: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1"}
+        pre = {k: v for k, v in {"uid": uid, "resourceVersion": resource_version}.items() if v}
+        if pre:
+            options["preconditions"] = pre
+        if propagation:
+            options["propagationPolicy"] = propagation
+        if grace_period_seconds is not None:
+            options["gracePeriodSeconds"] = grace_period_seconds
+        return await self.request("DELETE", res.path(namespace, name), body=options)
+
+    async def watch(
+        self,
+        res: Resource,
+        namespace: str | None = None,
+        *,
+        resource_version: str | None = None,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+        timeout_seconds: int = 300,
+    ) -> AsyncIterator[tuple[str, dict]]:
+        """Yield (type, object) until the server ends the watch; raises Gone when the version is too old."""
+        params = {
+            "watch": "true",
+            "allowWatchBookmarks": "true",
+            "resourceVersion": resource_version,
+            "labelSelector": label_selector,
+            "fieldSelector": field_selector,
+            "timeoutSeconds": timeout_seconds,
+        }
+        async with self.session.get(
+            self.config.server + res.path(namespace),
+            params={k: str(v) for k, v in params.items() if v is not None},
+            headers=self._headers(),
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=self.request_timeout, sock_read=timeout_seconds + 30
+            ),
+        ) as resp:
+            await self._raise_for(resp)
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line:
+                    continue
+                event = json.loads(line)
+                if event["type"] == "ERROR":
+                    status = event["object"]
+                    code = status.get("code", 500)
+                    raise _ERRORS.get(code, ApiError)(code, status.get("reason", ""), status.get("message", ""), status)
+                yield event["type"], event["object"]
+
+
+async def wait_for(
+    client: KubeClient,
+    res: Resource,
+    name: str,
+    namespace: str | None,
+    predicate,
+    *,
+    timeout: float,
+) -> dict | None:
+    """Wait until ``predicate(obj)`` holds (obj is None once deleted), by watching, with a deadline.
+
+    Returns the object (None when the predicate accepted its absence). Raises TimeoutError.
+    """
+
+    async def _wait() -> dict | None:
+        while True:
+            try:
+                obj = await client.get(res, name, namespace)
+            except NotFound:
+                obj = None
+            if predicate(obj):
+                return obj
+            rv = obj["metadata"]["resourceVersion"] if obj else None
+            try:
+                async for kind, event_obj in client.watch(
+                    res, namespace, resource_version=rv, field_selector=f"metadata.name={name}", timeout_seconds=60
+                ):
+                    if kind == "BOOKMARK":
+                        continue
+                    current = None if kind == "DELETED" else event_obj
+                    if predicate(current):
+                        return current
+            except Gone:
+                continue
+
+    return await asyncio.wait_for(_wait(), timeout)

@@ -1,0 +1,53 @@
+"""Names a user types or a manifest carries: the API contract of gpuobj in one place.
+
+Every module, manifest generator and test reads these; nothing spells them again.
+"""
+
+from __future__ import annotations
+
+from gpuobj.layout import DTYPE_BYTES
+
+GROUP = "gpuobj.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+KIND_OBJECT = "GPUObject"
+PLURAL_OBJECT = "gpuobjects"
+KIND_CLAIM = "GPUObjectClaim"
+PLURAL_CLAIM = "gpuobjectclaims"
+KIND_STREAM = "GPUObjectStream"
+PLURAL_STREAM = "gpuobjectstreams"
+CATEGORY = "gpuobj"
+
+# Held on every GPUObject until its source agent has acknowledged the free.
+FINALIZER_FREE = f"{GROUP}/free"
+
+# Labels and annotations.
+LABEL_SOURCE_POD = f"{GROUP}/source-pod"
+LABEL_STREAM = f"{GROUP}/stream"
+LABEL_OBJECT = f"{GROUP}/object"  # on a claim: the GPUObject it references
+LABEL_AGENT = f"{GROUP}/agent"  # on a pod: "true" when it runs a gpuobj agent
+ANNOTATION_AGENT_PORT = f"{GROUP}/agent-port"
+ANNOTATION_AGENT_HOST = f"{GROUP}/agent-host"  # overrides status.podIP (dev cluster: no kubelet, no pod network)
+ANNOTATION_SOURCE_ENDPOINT = f"{GROUP}/source-endpoint"  # the source agent, as the client library saw it
+
+# Agent defaults.
+AGENT_PORT_NAME = "gpuobj-agent"
+DEFAULT_AGENT_PORT = 8471
+TOKEN_ENV = "GPUOBJ_TOKEN_FILE"
+
+# Object states (status.state) and condition types.
+STATE_PENDING = "Pending"
+STATE_READY = "Ready"
+STATE_RELEASING = "Releasing"
+STATE_LOST = "Lost"
+STATE_FAILED = "Failed"
+STATES = (STATE_PENDING, STATE_READY, STATE_RELEASING, STATE_LOST, STATE_FAILED)
+
+CONDITION_READY = "Ready"
+CONDITION_SOURCE_AVAILABLE = "SourceAvailable"
+CONDITION_RELEASED = "Released"
+
+# Dtypes a GPUObject may declare: torch dtype names without the "torch." prefix.
+DTYPES = tuple(DTYPE_BYTES)
+DEVICES_PATTERN = r"^(cpu|cuda(:[0-9]+)?)$"

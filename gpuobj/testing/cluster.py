@@ -1,0 +1,68 @@
+"""A handle on a running dev control plane for tests and the demo: kubectl, helm, an API client."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuobj.dev import toolchain
+from gpuobj.dev.cluster import ClusterState, DevCluster
+from gpuobj.kube.client import KubeClient
+from gpuobj.kube.config import from_kubeconfig
+
+REPO = Path(__file__).resolve().parents[2]
+CRDS_DIR = REPO / "crds"
+
+
+@dataclass
+class ClusterHandle:
+    cluster: DevCluster
+    state: ClusterState
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.cluster.kubeconfig
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, **self.cluster.env()}
+
+    def client(self) -> KubeClient:
+        """A new async client; create it inside the event loop that will use it."""
+        return KubeClient(from_kubeconfig(self.kubeconfig))
+
+    def run_tool(
+        self, tool: str, *args: str, input: str | None = None, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess:
+        binary = toolchain.binary(tool)
+        proc = subprocess.run(
+            [str(binary), *args], input=input, capture_output=True, text=True, env=self.env, timeout=timeout
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{tool} {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    def kubectl(self, *args: str, **kw) -> subprocess.CompletedProcess:
+        return self.run_tool("kubectl", *args, **kw)
+
+    def helm(self, *args: str, **kw) -> subprocess.CompletedProcess:
+        return self.run_tool("helm", *args, **kw)
+
+    def apply_crds(self, timeout: str = "60s") -> None:
+        """Install gpuobj's CRDs from crds/ (the one source) and wait until they are Established."""
+        self.kubectl("apply", "--server-side", "--force-conflicts", "-k", str(CRDS_DIR))
+        self.kubectl(
+            "wait",
+            "--for",
+            "condition=Established",
+            "--timeout",
+            timeout,
+            "-f",
+            str(CRDS_DIR / "gpuobj.io_gpuobjects.yaml"),
+            "-f",
+            str(CRDS_DIR / "gpuobj.io_gpuobjectclaims.yaml"),
+            "-f",
+            str(CRDS_DIR / "gpuobj.io_gpuobjectstreams.yaml"),
+        )

@@ -1,0 +1,1 @@
+"""gpuobj operator: the cluster-wide reference counter for GPU objects (kopf)."""

@@ -1,0 +1,84 @@
+"""Compare an agent's inventory with the API's view. Pure: the reconciler does the I/O.
+
+Leaked bytes are bytes an agent holds that no GPUObject describes (a crashed put,
+a missed free, a planted orphan), or whose GPUObject is out of scope but still
+unfreed after the grace period. They are counted at once (after a short settle
+time that covers a put whose GPUObject is being created) and reclaimed after the
+grace period. GPUObjects whose bytes the agent no longer holds become Lost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpuobj import names
+from gpuobj_operator.ledger import Ledger
+from gpuobj_operator.model import ObjectInfo, PodInfo
+
+
+@dataclass(frozen=True)
+class InventoryItem:
+    object_id: str
+    bytes: int
+    age_seconds: float
+    stream: str | None = None
+
+
+@dataclass
+class AuditFindings:
+    leaked_bytes: int = 0
+    reclaim: list[InventoryItem] = field(default_factory=list)
+    missing: list[ObjectInfo] = field(default_factory=list)
+
+
+def parse_inventory(inventory: dict) -> list[InventoryItem]:
+    return [
+        InventoryItem(
+            object_id=str(o["id"]),
+            bytes=int(o.get("bytes", 0)),
+            age_seconds=float(o.get("ageSeconds", 0.0)),
+            stream=o.get("stream"),
+        )
+        for o in inventory.get("objects", [])
+    ]
+
+
+def expected_objects(ledger: Ledger, pod: PodInfo) -> dict[str, ObjectInfo]:
+    """Objects this pod's agent must hold, taken BEFORE asking for the inventory:
+    their puts happened earlier, so a missing one really is gone."""
+    return {
+        o.object_id: o
+        for o in ledger.objects_of_pod(pod.namespace, pod.name)
+        if o.materialized
+        and not o.deleting
+        and o.state != names.STATE_LOST
+        and (not o.source_pod_uid or o.source_pod_uid == pod.uid)
+    }
+
+
+def evaluate(
+    ledger: Ledger,
+    pod: PodInfo,
+    items: list[InventoryItem],
+    expected_before: dict[str, ObjectInfo],
+    *,
+    settle_seconds: float,
+    grace_seconds: float,
+    pending_free_age: dict[str, float],
+) -> AuditFindings:
+    """``pending_free_age``: object_id -> seconds since its last reference went, for out-of-scope objects."""
+    findings = AuditFindings()
+    described = {o.object_id: o for o in ledger.objects_of_pod(pod.namespace, pod.name)}
+    held = {i.object_id for i in items}
+    for item in items:
+        obj = described.get(item.object_id)
+        if obj is None:
+            if item.age_seconds >= settle_seconds:
+                findings.leaked_bytes += item.bytes
+            if item.age_seconds >= grace_seconds:
+                findings.reclaim.append(item)
+        elif item.object_id in pending_free_age and pending_free_age[item.object_id] >= grace_seconds:
+            # Out of scope for longer than the grace period and still held: a free that did not happen.
+            findings.leaked_bytes += item.bytes
+    findings.missing = [o for oid, o in expected_before.items() if oid not in held and oid in described]
+    return findings

@@ -1,0 +1,81 @@
+"""Kubernetes Events, posted in the background so they never sit on the free path.
+
+Why: an Event per free is what `kubectl describe` users read ("Freed 64 MiB in 4 ms"),
+but it is one more API write; the free must not wait for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+
+from gpuobj.kube.client import EVENTS, ApiError, KubeClient
+
+log = logging.getLogger(__name__)
+
+
+class EventRecorder:
+    def __init__(self, kube: KubeClient, component: str, instance: str, capacity: int = 10_000) -> None:
+        self.kube = kube
+        self.component = component
+        self.instance = instance
+        self._queue: asyncio.Queue[dict] = asyncio.Queue(maxsize=capacity)
+        self._task: asyncio.Task | None = None
+        self.dropped = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="event-recorder")
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Flush what is queued (bounded), then stop."""
+        if self._task is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._queue.join()
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
+
+    def post(
+        self, *, api_version: str, kind: str, namespace: str, name: str, uid: str, type_: str, reason: str, message: str
+    ) -> None:
+        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        event = {
+            "metadata": {"generateName": f"{name}.", "namespace": namespace},
+            "involvedObject": {
+                "apiVersion": api_version,
+                "kind": kind,
+                "namespace": namespace,
+                "name": name,
+                "uid": uid,
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": self.component},
+            "reportingComponent": self.component,
+            "reportingInstance": self.instance,
+            "firstTimestamp": now[:19] + "Z",
+            "lastTimestamp": now[:19] + "Z",
+            "count": 1,
+        }
+        try:
+            self._queue.put_nowait(event)
+        except asyncio.QueueFull:
+            self.dropped += 1
+
+    async def _run(self) -> None:
+        while True:
+            event = await self._queue.get()
+            try:
+                await self.kube.create(EVENTS, event, event["metadata"]["namespace"])
+            except (ApiError, OSError, TimeoutError) as exc:
+                log.warning("could not post event %s: %s", event["reason"], exc)
+            except Exception:  # an event must never kill the recorder
+                log.exception("unexpected error posting event")
+            finally:
+                self._queue.task_done()

@@ -1,0 +1,137 @@
+"""Leader election on a coordination.k8s.io Lease: one active operator at a time.
+
+Why a Lease and not kopf's peering: it is what every Kubernetes controller uses
+(controller-runtime, kube-controller-manager), `kubectl get lease` shows the holder,
+and a standby replica simply waits. A leader that cannot renew before its lease
+expires stops acting (the process exits and is restarted), so two replicas never
+free at the same time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from dataclasses import dataclass
+
+from gpuobj.kube.client import LEASES, Conflict, KubeClient, NotFound
+
+log = logging.getLogger("gpuobj.operator.leader")
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _fmt(t: dt.datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _parse(s: str | None) -> dt.datetime | None:
+    if not s:
+        return None
+    return dt.datetime.fromisoformat(s.replace("Z", "+00:00"))
+
+
+@dataclass
+class LeaseConfig:
+    name: str = "gpuobj-operator"
+    namespace: str = "default"
+    identity: str = "gpuobj-operator"
+    lease_seconds: int = 15
+    renew_seconds: float = 5.0
+    retry_seconds: float = 2.0
+
+
+class LeaderElector:
+    def __init__(self, kube: KubeClient, config: LeaseConfig) -> None:
+        self.kube = kube
+        self.config = config
+        self.is_leader = False
+
+    def _spec(self, acquire: dt.datetime | None, transitions: int) -> dict:
+        now = _now()
+        return {
+            "holderIdentity": self.config.identity,
+            "leaseDurationSeconds": self.config.lease_seconds,
+            "acquireTime": _fmt(acquire or now),
+            "renewTime": _fmt(now),
+            "leaseTransitions": transitions,
+        }
+
+    async def try_acquire(self) -> bool:
+        """One attempt: create the Lease, renew ours, or take an expired one."""
+        c = self.config
+        try:
+            lease = await self.kube.get(LEASES, c.name, c.namespace)
+        except NotFound:
+            try:
+                await self.kube.create(LEASES, {"metadata": {"name": c.name}, "spec": self._spec(None, 0)}, c.namespace)
+                return True
+            except Conflict:
+                return False
+        spec = lease.get("spec") or {}
+        holder = spec.get("holderIdentity")
+        renewed = _parse(spec.get("renewTime"))
+        duration = int(spec.get("leaseDurationSeconds") or c.lease_seconds)
+        expired = renewed is None or _now() > renewed + dt.timedelta(seconds=duration)
+        if holder not in (None, "", c.identity) and not expired:
+            return False
+        transitions = int(spec.get("leaseTransitions") or 0) + (0 if holder == c.identity else 1)
+        acquire = _parse(spec.get("acquireTime")) if holder == c.identity else None
+        body = {
+            "metadata": {"name": c.name, "resourceVersion": lease["metadata"]["resourceVersion"]},
+            "spec": self._spec(acquire, transitions),
+        }
+        try:
+            await self.kube.replace(LEASES, c.name, body, c.namespace)
+        except (Conflict, NotFound):
+            return False
+        return True
+
+    async def acquire(self) -> None:
+        """Block until this replica leads (no timeout: a standby waits as long as the leader lives)."""
+        announced = False
+        while not await self._attempt():
+            if not announced:
+                log.info("waiting for leadership of lease %s/%s", self.config.namespace, self.config.name)
+                announced = True
+            await asyncio.sleep(self.config.retry_seconds)
+        self.is_leader = True
+        log.info("acquired lease %s/%s as %s", self.config.namespace, self.config.name, self.config.identity)
+
+    async def _attempt(self) -> bool:
+        try:
+            return await asyncio.wait_for(self.try_acquire(), timeout=self.config.renew_seconds)
+        except (TimeoutError, OSError) as exc:
+            log.warning("lease attempt failed: %s", exc)
+            return False
+
+    async def hold(self) -> None:
+        """Renew until renewal fails for longer than the lease; then return (the caller stops acting)."""
+        c = self.config
+        deadline = asyncio.get_running_loop().time() + c.lease_seconds
+        while True:
+            await asyncio.sleep(c.renew_seconds)
+            if await self._attempt():
+                deadline = asyncio.get_running_loop().time() + c.lease_seconds
+            elif asyncio.get_running_loop().time() >= deadline - c.renew_seconds:
+                self.is_leader = False
+                log.error("lost lease %s/%s", c.namespace, c.name)
+                return
+
+    async def release(self) -> None:
+        """On clean shutdown, hand the lease over at once instead of making the standby wait it out."""
+        if not self.is_leader:
+            return
+        c = self.config
+        try:
+            lease = await self.kube.get(LEASES, c.name, c.namespace)
+            if (lease.get("spec") or {}).get("holderIdentity") != c.identity:
+                return
+            lease["spec"]["holderIdentity"] = ""
+            lease["spec"]["renewTime"] = _fmt(_now() - dt.timedelta(seconds=c.lease_seconds + 1))
+            await self.kube.replace(LEASES, c.name, lease, c.namespace)
+        except Exception as exc:  # best effort on the way out
+            log.info("could not release lease: %s", exc)
+        self.is_leader = False

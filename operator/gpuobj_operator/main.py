@@ -1,0 +1,250 @@
+"""`gpuobj operator`: leader election, the initial sync, kopf's watches, workers, audit, metrics.
+
+Order matters for safety: nothing is decided before this replica leads and before
+every kind of state has been listed once (Reconciler.sync).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+import kopf
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gpuobj import names
+from gpuobj.kube.client import PODS, KubeClient
+from gpuobj.kube.config import load as load_config
+from gpuobj_operator.agent_client import AgentClient
+from gpuobj_operator.events import EventRecorder
+from gpuobj_operator.informer import Informer
+from gpuobj_operator.leader import LeaderElector, LeaseConfig
+from gpuobj_operator.metrics import OperatorMetrics
+from gpuobj_operator.reconciler import LABEL_AGENT_SELECTOR, Reconciler
+
+log = logging.getLogger("gpuobj.operator")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    p = argparse.ArgumentParser(
+        prog="gpuobj operator", description="The gpuobj operator: frees GPU objects when out of scope."
+    )
+    p.add_argument(
+        "--kubeconfig", default=env("KUBECONFIG"), help="kubeconfig path (default: $KUBECONFIG, else in-cluster)"
+    )
+    p.add_argument(
+        "--namespace", default=env("GPUOBJ_WATCH_NAMESPACE") or None, help="watch one namespace (default: all)"
+    )
+    p.add_argument("--token-file", default=env(names.TOKEN_ENV), help="bearer token file for agents' control servers")
+    p.add_argument("--metrics-host", default="0.0.0.0")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(env("GPUOBJ_METRICS_PORT", "8080")),
+        help="serves /metrics, /healthz, /readyz; 0 picks a free port",
+    )
+    p.add_argument("--lease-namespace", default=env("POD_NAMESPACE", "default"))
+    p.add_argument("--lease-name", default="gpuobj-operator")
+    p.add_argument("--lease-seconds", type=int, default=15)
+    p.add_argument("--identity", default=env("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--audit-interval", type=float, default=10.0, help="seconds between agent inventory audits")
+    p.add_argument(
+        "--leak-settle", type=float, default=5.0, help="seconds before an unreferenced object counts as leaked"
+    )
+    p.add_argument("--leak-grace", type=float, default=30.0, help="seconds before leaked bytes are reclaimed")
+    p.add_argument("--resync-interval", type=float, default=60.0)
+    p.add_argument("--log-level", default=env("GPUOBJ_LOG_LEVEL", "INFO"))
+    return p
+
+
+class HealthServer:
+    """/metrics, /healthz and /readyz on one port. Ready means leading and synced, or standing by."""
+
+    def __init__(self, metrics: OperatorMetrics, host: str, port: int) -> None:
+        self.metrics = metrics
+        self.host, self.port = host, port
+        self.state = "starting"
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> int:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", lambda _: web.json_response({"status": "ok", "state": self.state}))
+        app.router.add_get("/readyz", self._ready)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self.port
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _ready(self, _: web.Request) -> web.Response:
+        ok = self.state in ("leading", "standby")
+        return web.json_response({"state": self.state}, status=200 if ok else 503)
+
+    async def stop(self) -> None:
+        if self._runner:
+            await self._runner.cleanup()
+
+
+def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs):
+        return kopf.login_via_client(**kwargs)
+
+    @kopf.on.event(names.GROUP, names.VERSION, names.PLURAL_OBJECT, registry=registry)
+    def on_object(event, **_):
+        reconciler.on_object(event["type"], event["object"])
+
+    @kopf.on.event(names.GROUP, names.VERSION, names.PLURAL_CLAIM, registry=registry)
+    def on_claim(event, **_):
+        reconciler.on_claim(event["type"], event["object"])
+
+    @kopf.on.event(names.GROUP, names.VERSION, names.PLURAL_STREAM, registry=registry)
+    def on_stream(event, **_):
+        reconciler.on_stream(event["type"], event["object"])
+
+    return registry
+
+
+def kopf_settings() -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    settings.posting.enabled = False  # we post our own Events, in the background
+    settings.scanning.disabled = True  # least privilege: no cluster-wide CRD or namespace watches
+    settings.watching.server_timeout = 240
+    settings.watching.client_timeout = 300
+    settings.networking.request_timeout = 30
+    return settings
+
+
+async def run(args: argparse.Namespace) -> int:
+    kube = KubeClient(load_config(args.kubeconfig))
+    reconciler_box: list[Reconciler] = []
+    metrics = OperatorMetrics(lambda: reconciler_box[0].ledger if reconciler_box else _empty_ledger())
+    health = HealthServer(metrics, args.metrics_host, args.metrics_port)
+    port = await health.start()
+    print(
+        f"gpuobj operator: metrics and probes on http://{args.metrics_host}:{port} (/metrics /healthz /readyz)",
+        flush=True,
+    )
+    elector = LeaderElector(
+        kube,
+        LeaseConfig(
+            name=args.lease_name,
+            namespace=args.lease_namespace,
+            identity=args.identity,
+            lease_seconds=args.lease_seconds,
+            renew_seconds=max(1.0, args.lease_seconds / 3),
+            retry_seconds=max(0.5, args.lease_seconds / 6),
+        ),
+    )
+    health.state = "standby"
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in ("SIGTERM", "SIGINT"):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(getattr(__import__("signal"), sig), stop.set)
+    acquire = asyncio.create_task(elector.acquire())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({acquire, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        acquire.cancel()
+        await health.stop()
+        await kube.close()
+        return 0
+    metrics.leader.set(1)
+    print(f"gpuobj operator: leading as {args.identity}", flush=True)
+    agents = AgentClient(Path(args.token_file) if args.token_file else None)
+    events = EventRecorder(kube, "gpuobj-operator", args.identity)
+    reconciler = Reconciler(
+        kube,
+        agents,
+        metrics,
+        events,
+        workers=args.workers,
+        leak_settle_seconds=args.leak_settle,
+        leak_grace_seconds=args.leak_grace,
+        audit_interval=args.audit_interval,
+        resync_interval=args.resync_interval,
+        namespace=args.namespace,
+    )
+    reconciler_box.append(reconciler)
+    events.start()
+    pods = Informer(kube, PODS, reconciler.on_pod, namespace=args.namespace, label_selector=LABEL_AGENT_SELECTOR)
+    rc = 0
+    kopf_stop = asyncio.Event()
+    try:
+        await reconciler.sync()
+        pods.start()
+        reconciler.start()
+        health.state = "leading"
+        print("gpuobj operator: synced and reconciling", flush=True)
+        operator = asyncio.create_task(
+            kopf.operator(
+                registry=build_registry(reconciler),
+                settings=kopf_settings(),
+                standalone=True,
+                clusterwide=args.namespace is None,
+                namespaces=[args.namespace] if args.namespace else (),
+                stop_flag=kopf_stop,
+            )
+        )
+        hold = asyncio.create_task(elector.hold())
+        done, _ = await asyncio.wait({operator, hold, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if hold in done:
+            rc = 1  # lost the lease: stop acting at once
+            print("gpuobj operator: lost leadership; exiting", file=sys.stderr, flush=True)
+        elif operator in done and operator.exception():
+            rc = 1
+            log.error("kopf stopped: %r", operator.exception())
+        kopf_stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(operator, timeout=10)
+        hold.cancel()
+    finally:
+        health.state = "stopping"
+        stopping.cancel()
+        await pods.stop()
+        await reconciler.stop()
+        await events.stop()
+        if rc == 0:
+            await elector.release()
+        await agents.close()
+        await kube.close()
+        await health.stop()
+    return rc
+
+
+def _empty_ledger():
+    from gpuobj_operator.ledger import Ledger
+
+    return Ledger()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kopf").setLevel(logging.WARNING)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    try:
+        return asyncio.run(run(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Operator metrics. Names come from gpuobj.metric_names (the dashboard's contract).
+
+State gauges are read from the ledger at scrape time (KubeRay's collector habit), so
+they can never drift from what the operator believes; leaked-bytes series are removed
+when their pod goes away.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gpuobj import metric_names as m
+from gpuobj_operator.ledger import Ledger
+
+FREE_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class LedgerCollector(Collector):
+    def __init__(self, ledger: Callable[[], Ledger]) -> None:
+        self._ledger = ledger
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        ledger = self._ledger()
+        objects = GaugeMetricFamily(m.OBJECTS, "GPUObjects by state", labels=["state"])
+        sizes = GaugeMetricFamily(m.OBJECT_BYTES, "Bytes of GPUObjects by state", labels=["state"])
+        for state, (count, size) in sorted(ledger.objects_by_state().items()):
+            objects.add_metric([state], count)
+            sizes.add_metric([state], size)
+        claims = GaugeMetricFamily(m.CLAIMS, "GPUObjectClaims")
+        claims.add_metric([], len(ledger.claims))
+        yield objects
+        yield sizes
+        yield claims
+
+
+class OperatorMetrics:
+    def __init__(self, ledger: Callable[[], Ledger], registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        r.register(LedgerCollector(ledger))
+        self.leaked_bytes = Gauge(
+            m.LEAKED_BYTES, "Bytes agents hold that nothing references", ["namespace", "pod"], registry=r
+        )
+        self.reclaimed_bytes = Counter(
+            m.RECLAIMED_BYTES.removesuffix("_total"), "Leaked bytes reclaimed by the audit", ["namespace"], registry=r
+        )
+        self.free_latency = Histogram(
+            m.FREE_LATENCY,
+            "From the last reference gone to the agent's free acknowledgement",
+            buckets=FREE_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.frees = Counter(m.FREES.removesuffix("_total"), "Frees completed, by result", ["result"], registry=r)
+        self.free_failures = Counter(
+            m.FREE_FAILURES.removesuffix("_total"), "Free attempts that failed", ["reason"], registry=r
+        )
+        self.lost = Counter(m.LOST_OBJECTS.removesuffix("_total"), "GPUObjects that became Lost", registry=r)
+        self.audits = Counter(m.AUDIT_RUNS.removesuffix("_total"), "Agent inventory audits", ["result"], registry=r)
+        self.leader = Gauge("gpuobj_operator_leader", "1 while this replica holds the leader lease", registry=r)
+        self._leak_series: set[tuple[str, str]] = set()
+
+    def set_leaked(self, values: dict[tuple[str, str], int]) -> None:
+        """Replace the leaked-bytes series: pods that disappeared lose their series."""
+        for labels in self._leak_series - set(values):
+            self.leaked_bytes.remove(*labels)
+        for labels, value in values.items():
+            self.leaked_bytes.labels(*labels).set(value)
+        self._leak_series = set(values)

@@ -1,0 +1,209 @@
+"""Plain records of what the API says, parsed once at the edge.
+
+Why: the ledger decides on these, never on raw dicts, so its unit tests build
+them directly and the parsing rules (which field means what) live in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpuobj import names
+from gpuobj.layout import tensor_bytes
+
+Key = tuple[str, str]  # (namespace, name)
+
+
+@dataclass
+class PodInfo:
+    namespace: str
+    name: str
+    uid: str
+    phase: str = "Pending"
+    endpoint: str | None = None  # host:port of the pod's agent
+    deleted: bool = False  # a tombstone: the pod is confirmed gone (watch DELETED or 404)
+
+    @property
+    def key(self) -> Key:
+        return (self.namespace, self.name)
+
+    @property
+    def terminated(self) -> bool:
+        return self.deleted or self.phase in ("Succeeded", "Failed")
+
+
+@dataclass
+class ObjectInfo:
+    namespace: str
+    name: str
+    uid: str
+    source_pod: str
+    tensors: list[dict]
+    source_pod_uid: str | None = None
+    spec_object_id: str | None = None
+    key_name: str | None = None
+    stream: tuple[str, int] | None = None
+    deleting: bool = False
+    finalized: bool = False  # carries gpuobj.io/free
+    generation: int = 1
+    resource_version: str = ""
+    status: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> Key:
+        return (self.namespace, self.name)
+
+    @property
+    def declared(self) -> bool:
+        """Declared with kubectl: the operator asks the source agent to materialize it."""
+        return self.spec_object_id is None
+
+    @property
+    def object_id(self) -> str:
+        """The agent-side id: set by the client library, or the object's uid for declared objects."""
+        return self.spec_object_id or self.uid
+
+    @property
+    def bytes(self) -> int:
+        return tensor_bytes(self.tensors)
+
+    @property
+    def materialized(self) -> bool:
+        """The source agent holds the bytes (library puts always; declared objects once acknowledged)."""
+        if not self.declared:
+            return True
+        return self.status.get("objectId") == self.uid and self.status.get("state") in (
+            names.STATE_READY,
+            names.STATE_RELEASING,
+            names.STATE_LOST,
+        )
+
+    @property
+    def state(self) -> str | None:
+        return self.status.get("state")
+
+
+@dataclass
+class ClaimInfo:
+    namespace: str
+    name: str
+    uid: str
+    object_name: str
+    object_uid: str | None = None  # pinned incarnation (client library sets it)
+    holder_pod: str | None = None  # spec.holder.podName
+    owner_pods: dict[str, str] = field(default_factory=dict)  # ownerReferences to Pods: name -> uid
+    deleting: bool = False
+    resource_version: str = ""
+    status: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> Key:
+        return (self.namespace, self.name)
+
+    @property
+    def object_key(self) -> Key:
+        return (self.namespace, self.object_name)
+
+
+@dataclass
+class StreamInfo:
+    namespace: str
+    name: str
+    uid: str
+    producer_pod: str
+    consumed: int = 0
+    deleting: bool = False
+    finalized: bool = False
+    status: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> Key:
+        return (self.namespace, self.name)
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def _meta(obj: dict) -> dict:
+    return obj.get("metadata", {})
+
+
+def parse_pod(obj: dict) -> PodInfo:
+    meta = _meta(obj)
+    ann = meta.get("annotations") or {}
+    status = obj.get("status") or {}
+    host = ann.get(names.ANNOTATION_AGENT_HOST) or status.get("podIP")
+    port = ann.get(names.ANNOTATION_AGENT_PORT)
+    if not port:
+        for container in (obj.get("spec") or {}).get("containers", []):
+            for p in container.get("ports") or []:
+                if p.get("name") == names.AGENT_PORT_NAME:
+                    port = p.get("containerPort")
+    if host and not port:
+        port = names.DEFAULT_AGENT_PORT
+    endpoint = f"{host}:{port}" if host else None
+    return PodInfo(
+        namespace=meta["namespace"],
+        name=meta["name"],
+        uid=meta["uid"],
+        phase=status.get("phase", "Pending"),
+        endpoint=endpoint,
+    )
+
+
+def parse_object(obj: dict) -> ObjectInfo:
+    meta, spec = _meta(obj), obj.get("spec") or {}
+    stream = spec.get("stream")
+    source = spec.get("source") or {}
+    return ObjectInfo(
+        namespace=meta["namespace"],
+        name=meta["name"],
+        uid=meta["uid"],
+        source_pod=source.get("podName", ""),
+        source_pod_uid=source.get("podUID"),
+        tensors=list(spec.get("tensors") or []),
+        spec_object_id=spec.get("objectId"),
+        key_name=spec.get("key"),
+        stream=(stream["name"], int(stream["index"])) if stream else None,
+        deleting=bool(meta.get("deletionTimestamp")),
+        finalized=names.FINALIZER_FREE in (meta.get("finalizers") or []),
+        generation=int(meta.get("generation", 1)),
+        resource_version=meta.get("resourceVersion", ""),
+        status=dict(obj.get("status") or {}),
+    )
+
+
+def parse_claim(obj: dict) -> ClaimInfo:
+    meta, spec = _meta(obj), obj.get("spec") or {}
+    owners = {
+        ref["name"]: ref["uid"]
+        for ref in meta.get("ownerReferences") or []
+        if ref.get("kind") == "Pod" and ref.get("apiVersion") == "v1"
+    }
+    return ClaimInfo(
+        namespace=meta["namespace"],
+        name=meta["name"],
+        uid=meta["uid"],
+        object_name=spec.get("objectName", ""),
+        object_uid=spec.get("objectUID"),
+        holder_pod=(spec.get("holder") or {}).get("podName"),
+        owner_pods=owners,
+        deleting=bool(meta.get("deletionTimestamp")),
+        resource_version=meta.get("resourceVersion", ""),
+        status=dict(obj.get("status") or {}),
+    )
+
+
+def parse_stream(obj: dict) -> StreamInfo:
+    meta, spec = _meta(obj), obj.get("spec") or {}
+    status = obj.get("status") or {}
+    return StreamInfo(
+        namespace=meta["namespace"],
+        name=meta["name"],
+        uid=meta["uid"],
+        producer_pod=(spec.get("producer") or {}).get("podName", ""),
+        consumed=int(status.get("consumed", 0)),
+        deleting=bool(meta.get("deletionTimestamp")),
+        finalized=names.FINALIZER_FREE in (meta.get("finalizers") or []),
+        status=dict(status),
+    )

@@ -1,0 +1,552 @@
+"""Execute the ledger's decisions against the API server and the agents.
+
+Why here and not in the ledger: this is the I/O edge. Every action is idempotent and
+re-checked against fresh state where a mistake would cost bytes (a free re-lists
+the object's claims with a quorum read first), so a restart at any point loses
+nothing and frees nothing twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+import time
+from collections.abc import Iterable
+
+from gpuobj import names
+from gpuobj.kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, ApiError, Conflict, Invalid, KubeClient, NotFound
+from gpuobj_operator import audit as audit_mod
+from gpuobj_operator.agent_client import AgentClient, AgentError, AgentGone, AgentUnreachable
+from gpuobj_operator.events import EventRecorder
+from gpuobj_operator.ledger import (
+    Action,
+    AddFinalizer,
+    DeleteClaim,
+    DeleteObject,
+    Emit,
+    FinishStream,
+    Free,
+    Ledger,
+    LookupPod,
+    Materialize,
+    PatchClaimStatus,
+    PatchObjectStatus,
+    PatchStreamStatus,
+    ReleaseWithoutFree,
+    SetClaimOwner,
+)
+from gpuobj_operator.metrics import OperatorMetrics
+from gpuobj_operator.model import Key, PodInfo, parse_claim, parse_object, parse_pod, parse_stream
+from gpuobj_operator.workqueue import WorkQueue
+
+log = logging.getLogger("gpuobj.operator")
+
+WorkItem = tuple[str, Key]
+LABEL_AGENT_SELECTOR = f"{names.LABEL_AGENT}=true"
+
+
+class RetryLater(Exception):
+    """The action could not complete now; requeue with backoff."""
+
+
+class Reconciler:
+    def __init__(
+        self,
+        kube: KubeClient,
+        agents: AgentClient,
+        metrics: OperatorMetrics,
+        events: EventRecorder,
+        *,
+        workers: int = 8,
+        leak_settle_seconds: float = 5.0,
+        leak_grace_seconds: float = 30.0,
+        audit_interval: float = 10.0,
+        resync_interval: float = 60.0,
+        namespace: str | None = None,
+    ) -> None:
+        self.kube = kube
+        self.agents = agents
+        self.metrics = metrics
+        self.events = events
+        self.ledger = Ledger()
+        self.queue = WorkQueue()
+        self.workers = workers
+        self.leak_settle_seconds = leak_settle_seconds
+        self.leak_grace_seconds = leak_grace_seconds
+        self.audit_interval = audit_interval
+        self.resync_interval = resync_interval
+        self.namespace = namespace
+        self._tasks: list[asyncio.Task] = []
+        self._freed: set[str] = set()  # uids freed and awaiting their DELETED event
+        self._pod_lookups: set[Key] = set()
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def sync(self) -> None:
+        """List every kind once before any decision: a free decided on a partial view could be wrong."""
+        now = time.monotonic()
+        ns = self.namespace
+        streams = await self.kube.list(STREAMS, ns)
+        claims = await self.kube.list(CLAIMS, ns)
+        pods = await self.kube.list(PODS, ns, label_selector=LABEL_AGENT_SELECTOR)
+        objects = await self.kube.list(GPUOBJECTS, ns)
+        for s in streams["items"]:
+            self.ledger.upsert_stream(parse_stream(s))
+        for c in claims["items"]:
+            self.ledger.upsert_claim(parse_claim(c), now)
+        for p in pods["items"]:
+            self.ledger.upsert_pod(parse_pod(p))
+        for o in objects["items"]:
+            self.ledger.upsert_object(parse_object(o), now)
+        self.ledger.synced = True
+        self.enqueue_all()
+        log.info(
+            "synced: %d objects, %d claims, %d streams, %d agent pods",
+            len(self.ledger.objects),
+            len(self.ledger.claims),
+            len(self.ledger.streams),
+            len(self.ledger.pods),
+        )
+
+    def start(self) -> None:
+        for i in range(self.workers):
+            self._tasks.append(asyncio.create_task(self._worker(), name=f"reconcile-worker-{i}"))
+        self._tasks.append(asyncio.create_task(self._audit_loop(), name="audit"))
+        self._tasks.append(asyncio.create_task(self._resync_loop(), name="resync"))
+
+    async def stop(self) -> None:
+        self.queue.close()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+
+    def enqueue(self, items: Iterable[WorkItem]) -> None:
+        for item in items:
+            self.queue.add(item)
+
+    def enqueue_all(self) -> None:
+        self.enqueue(("stream", k) for k in list(self.ledger.streams))
+        self.enqueue(("claim", k) for k in list(self.ledger.claims))
+        self.enqueue(("object", k) for k in list(self.ledger.objects))
+
+    # ------------------------------------------------------------ event intake (from kopf handlers)
+
+    def on_object(self, event_type: str | None, raw: dict) -> None:
+        info = parse_object(raw)
+        now = time.monotonic()
+        if event_type == "DELETED":
+            self._freed.discard(info.uid)
+            self.enqueue(self.ledger.remove_object(info))
+        else:
+            self.enqueue(self.ledger.upsert_object(info, now))
+
+    def on_claim(self, event_type: str | None, raw: dict) -> None:
+        info = parse_claim(raw)
+        now = time.monotonic()
+        self.enqueue(
+            self.ledger.remove_claim(info, now) if event_type == "DELETED" else self.ledger.upsert_claim(info, now)
+        )
+
+    def on_stream(self, event_type: str | None, raw: dict) -> None:
+        info = parse_stream(raw)
+        self.enqueue(self.ledger.remove_stream(info) if event_type == "DELETED" else self.ledger.upsert_stream(info))
+
+    def on_pod(self, event_type: str | None, raw: dict) -> None:
+        info = parse_pod(raw)
+        self.enqueue(self.ledger.remove_pod(info) if event_type == "DELETED" else self.ledger.upsert_pod(info))
+
+    # ------------------------------------------------------------ workers
+
+    async def _worker(self) -> None:
+        while True:
+            item = await self.queue.get()
+            try:
+                kind, key = item
+                for action in self.ledger.decide(kind, key, dt.datetime.now(dt.UTC)):
+                    await self.execute(action)
+                self.queue.forget(item)
+            except RetryLater as exc:
+                delay = self.queue.retry(item)
+                log.info("%s %s/%s: %s; retrying in %.2fs", item[0], *item[1], exc, delay)
+            except Conflict:
+                self.queue.retry(item)
+            except (ApiError, OSError, TimeoutError) as exc:
+                delay = self.queue.retry(item)
+                log.warning("%s %s/%s failed: %s; retrying in %.2fs", item[0], *item[1], exc, delay)
+            except Exception:
+                delay = self.queue.retry(item)
+                log.exception("%s %s/%s: unexpected error; retrying in %.2fs", item[0], *item[1], delay)
+            finally:
+                self.queue.done(item)
+
+    async def execute(self, action: Action) -> None:
+        handler = getattr(self, f"_do_{type(action).__name__}")
+        await handler(action)
+
+    # ------------------------------------------------------------ actions
+
+    async def _do_LookupPod(self, a: LookupPod) -> None:
+        key = (a.namespace, a.name)
+        try:
+            pod = parse_pod(await self.kube.get(PODS, a.name, a.namespace))
+            self.enqueue(self.ledger.upsert_pod(pod))
+        except NotFound:
+            self.enqueue(self.ledger.remove_pod(PodInfo(a.namespace, a.name, uid="", deleted=True)))
+        self._pod_lookups.add(key)
+
+    async def _do_AddFinalizer(self, a: AddFinalizer) -> None:
+        obj = self.ledger.objects[a.key]
+        raw = await self.kube.get(GPUOBJECTS, a.key[1], a.key[0])
+        finalizers = raw["metadata"].get("finalizers") or []
+        if names.FINALIZER_FREE in finalizers or raw["metadata"].get("deletionTimestamp"):
+            self.on_object("MODIFIED", raw)
+            return
+        patched = await self.kube.patch(
+            GPUOBJECTS,
+            a.key[1],
+            {
+                "metadata": {
+                    "finalizers": [*finalizers, names.FINALIZER_FREE],
+                    "resourceVersion": raw["metadata"]["resourceVersion"],
+                }
+            },
+            a.key[0],
+        )
+        del obj
+        self.on_object("MODIFIED", patched)
+
+    async def _do_Materialize(self, a: Materialize) -> None:
+        obj = self.ledger.objects[a.key]
+        spec: dict = {"tensors": obj.tensors}
+        if obj.key_name:
+            spec["key"] = obj.key_name
+        if obj.stream:
+            spec["stream"], spec["streamIndex"] = obj.stream
+        pod = self.ledger.pods[(obj.namespace, obj.source_pod)]
+        try:
+            answer = await self.agents.materialize(a.endpoint, a.object_id, spec)
+        except AgentError as exc:
+            if exc.status == 404:
+                await self._patch_object_status(a.key, self._pending_status(obj, "KeyNotPublished", exc.message))
+                raise RetryLater(f"key {obj.key_name!r} not published yet") from exc
+            await self._patch_object_status(a.key, self._failed_status(obj, "MaterializeFailed", exc.message))
+            self._emit("GPUObject", a.key, a.uid, "Warning", "MaterializeFailed", exc.message)
+            return
+        except AgentUnreachable as exc:
+            raise RetryLater(f"agent at {a.endpoint} unreachable: {exc}") from exc
+        status = {
+            "state": names.STATE_READY,
+            "objectId": a.object_id,
+            "sourcePodUID": pod.uid,
+            "transport": {
+                "backend": "nixl",
+                "agentEndpoint": a.endpoint,
+                "agentIncarnation": str(answer.get("incarnation", "")),
+            },
+        }
+        await self._patch_object_status(a.key, status)
+        self._emit(
+            "GPUObject", a.key, a.uid, "Normal", "Materialized", f"agent on pod {pod.name} holds {obj.bytes} bytes"
+        )
+
+    @staticmethod
+    def _pending_status(obj, reason: str, message: str) -> dict:
+        return {
+            "state": names.STATE_PENDING,
+            "conditions": [_cond(names.CONDITION_READY, "False", reason, message, obj.generation)],
+        }
+
+    @staticmethod
+    def _failed_status(obj, reason: str, message: str) -> dict:
+        return {
+            "state": names.STATE_FAILED,
+            "conditions": [_cond(names.CONDITION_READY, "False", reason, message, obj.generation)],
+        }
+
+    async def _do_Free(self, a: Free) -> None:
+        if a.uid in self._freed:
+            return  # freed already; the DELETED event is on its way
+        # 1. Quorum re-check of the claims: the caches of two watches may disagree for a moment.
+        fresh = await self.kube.list(CLAIMS, a.key[0], field_selector=f"spec.objectName={a.key[1]}")
+        now = time.monotonic()
+        live = []
+        for raw in fresh["items"]:
+            claim = parse_claim(raw)
+            if not claim.deleting and (not claim.object_uid or claim.object_uid == a.uid):
+                live.append(claim)
+                self.enqueue(self.ledger.upsert_claim(claim, now))
+        if live:
+            return  # the ledger now knows them; the object stays
+        # 2. Free on the source agent (idempotent there).
+        started = time.monotonic()
+        try:
+            result = await self.agents.free(a.endpoint, a.object_id, reason=a.reason)
+            outcome = "freed" if result.freed else "noop"
+        except AgentGone:
+            outcome, result = "agent-gone", None
+        except AgentError as exc:
+            self.metrics.free_failures.labels(f"agent-{exc.status}").inc()
+            self._emit("GPUObject", a.key, a.uid, "Warning", "FreeFailed", f"agent at {a.endpoint}: {exc.message}")
+            raise RetryLater(f"free failed: {exc}") from exc
+        except AgentUnreachable as exc:
+            self.metrics.free_failures.labels("unreachable").inc()
+            raise RetryLater(f"agent at {a.endpoint} unreachable: {exc}") from exc
+        acked = time.monotonic()
+        # 3. Let the API server finish the deletion.
+        await self._remove_finalizer(GPUOBJECTS, a.key, a.uid)
+        self._freed.add(a.uid)
+        gone_at = self.ledger.ref_gone_at.pop(a.key, started)
+        latency = acked - gone_at
+        self.metrics.free_latency.observe(latency)
+        self.metrics.frees.labels(outcome).inc()
+        if outcome == "freed" and result is not None:
+            message = (
+                f"freed {result.bytes} bytes on {a.endpoint} {latency * 1000:.1f} ms after the last reference went"
+            )
+        elif outcome == "noop":
+            message = f"agent at {a.endpoint} no longer held object {a.object_id} (already freed)"
+        else:
+            message = f"agent at {a.endpoint} is gone; its memory went with it"
+        self._emit("GPUObject", a.key, a.uid, "Normal", "Freed", message)
+
+    async def _do_ReleaseWithoutFree(self, a: ReleaseWithoutFree) -> None:
+        await self._remove_finalizer(GPUOBJECTS, a.key, a.uid)
+        self.ledger.ref_gone_at.pop(a.key, None)
+        self.metrics.frees.labels("source-lost").inc()
+        self._emit("GPUObject", a.key, a.uid, "Normal", "Released", f"nothing to free: {a.reason}")
+
+    async def _remove_finalizer(self, res, key: Key, uid: str) -> None:
+        for _ in range(5):
+            try:
+                raw = await self.kube.get(res, key[1], key[0])
+            except NotFound:
+                return
+            if raw["metadata"]["uid"] != uid:
+                return
+            finalizers = raw["metadata"].get("finalizers") or []
+            if names.FINALIZER_FREE not in finalizers:
+                return
+            i = finalizers.index(names.FINALIZER_FREE)
+            try:
+                await self.kube.patch(
+                    res,
+                    key[1],
+                    [
+                        {"op": "test", "path": "/metadata/uid", "value": uid},
+                        {"op": "test", "path": f"/metadata/finalizers/{i}", "value": names.FINALIZER_FREE},
+                        {"op": "remove", "path": f"/metadata/finalizers/{i}"},
+                    ],
+                    key[0],
+                    patch_type="json",
+                )
+                return
+            except NotFound:
+                return
+            except (Invalid, Conflict):
+                continue  # the list changed under us; read it again
+        raise RetryLater(f"could not remove the finalizer of {key[0]}/{key[1]}")
+
+    async def _do_DeleteObject(self, a: DeleteObject) -> None:
+        try:
+            await self.kube.delete(GPUOBJECTS, a.key[1], a.key[0], uid=a.uid)
+        except (NotFound, Conflict):
+            return
+        if a.reason == "Lost":
+            self.metrics.lost.inc()
+        self._emit("GPUObject", a.key, a.uid, "Normal", a.reason, f"deleted: {a.message}")
+
+    async def _do_PatchObjectStatus(self, a: PatchObjectStatus) -> None:
+        await self._patch_object_status(a.key, a.status)
+
+    async def _patch_object_status(self, key: Key, status: dict) -> None:
+        try:
+            patched = await self.kube.patch(GPUOBJECTS, key[1], {"status": status}, key[0], subresource="status")
+        except NotFound:
+            return
+        self.on_object("MODIFIED", patched)
+
+    async def _do_PatchClaimStatus(self, a: PatchClaimStatus) -> None:
+        try:
+            patched = await self.kube.patch(CLAIMS, a.key[1], {"status": a.status}, a.key[0], subresource="status")
+        except NotFound:
+            return
+        self.on_claim("MODIFIED", patched)
+
+    async def _do_SetClaimOwner(self, a: SetClaimOwner) -> None:
+        raw = await self.kube.get(CLAIMS, a.key[1], a.key[0])
+        owners = [
+            r
+            for r in raw["metadata"].get("ownerReferences") or []
+            if not (r.get("kind") == "Pod" and r.get("name") == a.pod_name)
+        ]
+        owners.append({"apiVersion": "v1", "kind": "Pod", "name": a.pod_name, "uid": a.pod_uid})
+        patched = await self.kube.patch(
+            CLAIMS,
+            a.key[1],
+            {"metadata": {"ownerReferences": owners, "resourceVersion": raw["metadata"]["resourceVersion"]}},
+            a.key[0],
+        )
+        self.on_claim("MODIFIED", patched)
+
+    async def _do_DeleteClaim(self, a: DeleteClaim) -> None:
+        try:
+            await self.kube.delete(CLAIMS, a.key[1], a.key[0], uid=a.uid)
+        except (NotFound, Conflict):
+            return
+        self._emit("GPUObjectClaim", a.key, a.uid, "Normal", "HolderGone", a.reason)
+
+    async def _do_PatchStreamStatus(self, a: PatchStreamStatus) -> None:
+        try:
+            patched = await self.kube.patch(STREAMS, a.key[1], {"status": a.status}, a.key[0], subresource="status")
+        except NotFound:
+            return
+        self.on_stream("MODIFIED", patched)
+
+    async def _do_FinishStream(self, a: FinishStream) -> None:
+        """Items that were written but never reported are on the producer's agent only: free them."""
+        freed = 0
+        if a.producer_endpoint:
+            try:
+                inventory = await self.agents.inventory(a.producer_endpoint)
+                described = {o.object_id for o in self.ledger.objects.values()}
+                for item in audit_mod.parse_inventory(inventory):
+                    if item.stream == a.key[1] and item.object_id not in described:
+                        result = await self.agents.free(a.producer_endpoint, item.object_id, reason="StreamDeleted")
+                        freed += result.bytes
+            except AgentGone:
+                pass
+            except (AgentUnreachable, AgentError) as exc:
+                raise RetryLater(f"producer agent: {exc}") from exc
+        await self._remove_finalizer(STREAMS, a.key, a.uid)
+        self._emit(
+            "GPUObjectStream", a.key, a.uid, "Normal", "StreamFreed", f"stream deleted; {freed} unreported bytes freed"
+        )
+
+    async def _do_Emit(self, a: Emit) -> None:
+        self._emit(a.kind, a.key, a.uid, a.type, a.reason, a.message)
+
+    def _emit(self, kind: str, key: Key, uid: str, type_: str, reason: str, message: str) -> None:
+        api_version = "v1" if kind == "Pod" else names.API_VERSION
+        self.events.post(
+            api_version=api_version,
+            kind=kind,
+            namespace=key[0],
+            name=key[1],
+            uid=uid,
+            type_=type_,
+            reason=reason,
+            message=message,
+        )
+
+    # ------------------------------------------------------------ audit
+
+    async def _audit_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.audit_interval)
+            try:
+                await self.audit_once()
+            except Exception:
+                log.exception("audit pass failed")
+
+    async def _resync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.resync_interval)
+            self.enqueue_all()
+
+    async def audit_once(self) -> None:
+        """One pass over every agent pod: count leaks, reclaim old ones, mark missing objects Lost."""
+        if not self.ledger.synced:
+            return
+        leaked: dict[tuple[str, str], int] = {}
+        pods = self.ledger.agent_pods()
+        results = await asyncio.gather(*(self._audit_pod(p) for p in pods), return_exceptions=True)
+        for pod, result in zip(pods, results, strict=True):
+            if isinstance(result, BaseException):
+                self.metrics.audits.labels("error").inc()
+                log.info("audit of %s/%s skipped: %s", pod.namespace, pod.name, result)
+                continue
+            self.metrics.audits.labels("ok").inc()
+            leaked[(pod.namespace, pod.name)] = result
+        self.metrics.set_leaked(leaked)
+
+    async def _audit_pod(self, pod: PodInfo) -> int:
+        expected = audit_mod.expected_objects(self.ledger, pod)
+        inventory = await self.agents.inventory(pod.endpoint)  # type: ignore[arg-type]
+        if inventory.get("podUID") and inventory["podUID"] != pod.uid:
+            raise AgentError(409, f"agent at {pod.endpoint} serves pod uid {inventory['podUID']}, not {pod.uid}")
+        now = time.monotonic()
+        pending = {
+            o.object_id: now - self.ledger.ref_gone_at[o.key]
+            for o in self.ledger.objects_of_pod(pod.namespace, pod.name)
+            if o.key in self.ledger.ref_gone_at
+        }
+        findings = audit_mod.evaluate(
+            self.ledger,
+            pod,
+            audit_mod.parse_inventory(inventory),
+            expected,
+            settle_seconds=self.leak_settle_seconds,
+            grace_seconds=self.leak_grace_seconds,
+            pending_free_age=pending,
+        )
+        reclaimed = 0
+        if findings.reclaim:
+            reclaimed = await self._reclaim(pod, findings.reclaim)
+        for obj in findings.missing:
+            if obj.deleting or obj.state == names.STATE_LOST:
+                continue
+            message = f"agent of pod {pod.name} no longer holds object {obj.object_id} (agent restarted?)"
+            status = {
+                "state": names.STATE_LOST,
+                "sourcePodUID": pod.uid,
+                "conditions": [
+                    _cond(names.CONDITION_READY, "False", "SourceLost", message, obj.generation),
+                    _cond(names.CONDITION_SOURCE_AVAILABLE, "False", "AgentLostObject", message, obj.generation),
+                ],
+            }
+            await self._patch_object_status(obj.key, status)
+            self.metrics.lost.inc()
+            self._emit("GPUObject", obj.key, obj.uid, "Warning", "Lost", message)
+        return max(0, findings.leaked_bytes - reclaimed)
+
+    async def _reclaim(self, pod: PodInfo, items: list[audit_mod.InventoryItem]) -> int:
+        # Quorum check: no GPUObject (maybe created since our cache last heard) describes these ids.
+        fresh = await self.kube.list(GPUOBJECTS, pod.namespace, field_selector=f"spec.source.podName={pod.name}")
+        described = set()
+        for raw in fresh["items"]:
+            o = parse_object(raw)
+            described.add(o.object_id)
+        total = 0
+        for item in items:
+            if item.object_id in described:
+                continue
+            result = await self.agents.free(pod.endpoint, item.object_id, reason="Reclaimed")  # type: ignore[arg-type]
+            if result.freed:
+                total += result.bytes
+                self.metrics.reclaimed_bytes.labels(pod.namespace).inc(result.bytes)
+                self._emit(
+                    "Pod",
+                    pod.key,
+                    pod.uid,
+                    "Warning",
+                    "LeakReclaimed",
+                    f"reclaimed {result.bytes} bytes of object {item.object_id} that no GPUObject referenced "
+                    f"for {item.age_seconds:.0f}s",
+                )
+        return total
+
+
+def _cond(ctype: str, status: str, reason: str, message: str, generation: int) -> dict:
+    return {
+        "type": ctype,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+        "lastTransitionTime": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }

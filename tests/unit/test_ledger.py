@@ -1,0 +1,263 @@
+"""The reference ledger's rules, driven without a server (the cluster tests drive the same code for real)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from gpuobj import names
+from gpuobj_operator.ledger import (
+    AddFinalizer,
+    DeleteClaim,
+    DeleteObject,
+    Emit,
+    FinishStream,
+    Free,
+    Ledger,
+    LookupPod,
+    Materialize,
+    PatchClaimStatus,
+    PatchObjectStatus,
+    ReleaseWithoutFree,
+    SetClaimOwner,
+)
+from gpuobj.layout import tensor_bytes
+from gpuobj_operator.model import ClaimInfo, ObjectInfo, PodInfo, StreamInfo
+
+NOW = dt.datetime(2026, 11, 29, 12, 0, tzinfo=dt.UTC)
+NS = "ml"
+
+
+def pod(name: str = "src", uid: str = "pod-uid-1", endpoint: str | None = "10.0.0.5:8471", phase: str = "Running") -> PodInfo:
+    return PodInfo(NS, name, uid, phase=phase, endpoint=endpoint)
+
+
+def obj(name: str = "w", *, uid: str = "obj-uid-1", deleting: bool = False, finalized: bool = True, **kw) -> ObjectInfo:
+    kw.setdefault("spec_object_id", f"o-{name}")
+    kw.setdefault("source_pod_uid", "pod-uid-1")
+    return ObjectInfo(
+        NS, name, uid, source_pod=kw.pop("source_pod", "src"),
+        tensors=kw.pop("tensors", [{"shape": [4, 4], "dtype": "float32", "device": "cpu"}]),
+        deleting=deleting, finalized=finalized, **kw,
+    )
+
+
+def claim(name: str = "c1", object_name: str = "w", *, uid: str | None = None, **kw) -> ClaimInfo:
+    return ClaimInfo(NS, name, uid or f"claim-{name}", object_name=object_name, **kw)
+
+
+def synced_ledger(*items) -> Ledger:
+    ledger = Ledger()
+    for item in items:
+        if isinstance(item, PodInfo):
+            ledger.upsert_pod(item)
+        elif isinstance(item, ObjectInfo):
+            ledger.upsert_object(item, now=0.0)
+        elif isinstance(item, ClaimInfo):
+            ledger.upsert_claim(item, now=0.0)
+        elif isinstance(item, StreamInfo):
+            ledger.upsert_stream(item)
+    ledger.synced = True
+    return ledger
+
+
+def kinds(actions) -> list[type]:
+    return [type(a) for a in actions]
+
+
+def test_nothing_is_decided_before_every_kind_was_listed() -> None:
+    ledger = synced_ledger(pod(), obj(deleting=True))
+    ledger.synced = False
+    assert ledger.decide_object((NS, "w"), NOW) == []
+
+
+def test_a_live_object_gets_ready_status_once_and_then_no_writes() -> None:
+    ledger = synced_ledger(pod(), obj())
+    actions = ledger.decide_object((NS, "w"), NOW)
+    assert kinds(actions) == [PatchObjectStatus]
+    status = actions[0].status
+    assert status["state"] == names.STATE_READY
+    assert status["references"] == 1 and status["claims"] == 0
+    assert status["bytes"] == 64
+    assert status["transport"]["agentEndpoint"] == "10.0.0.5:8471"
+    assert {c["type"] for c in status["conditions"]} == {names.CONDITION_READY, names.CONDITION_SOURCE_AVAILABLE}
+    # Once the status is what we would write, nothing is written again.
+    o = ledger.objects[(NS, "w")]
+    o.status = status
+    assert ledger.decide_object((NS, "w"), NOW + dt.timedelta(seconds=5)) == []
+
+
+def test_deleted_object_without_claims_is_freed_on_its_source() -> None:
+    ledger = synced_ledger(pod(), obj(deleting=True))
+    (action,) = ledger.decide_object((NS, "w"), NOW)
+    assert action == Free((NS, "w"), "obj-uid-1", "o-w", "10.0.0.5:8471", 64, "OutOfScope")
+
+
+def test_deleted_object_waits_for_its_claims_and_frees_after_the_last_goes() -> None:
+    c1, c2 = claim("c1"), claim("c2")
+    ledger = synced_ledger(pod(), obj(deleting=True), c1, c2)
+    actions = ledger.decide_object((NS, "w"), NOW)
+    assert kinds(actions) == [PatchObjectStatus]
+    assert actions[0].status["state"] == names.STATE_RELEASING
+    assert actions[0].status["references"] == 2
+    ledger.remove_claim(c1, now=1.0)
+    assert Free not in kinds(ledger.decide_object((NS, "w"), NOW))
+    assert (NS, "w") not in ledger.ref_gone_at
+    ledger.remove_claim(c2, now=2.0)
+    assert kinds(ledger.decide_object((NS, "w"), NOW)) == [Free]
+    assert ledger.ref_gone_at[(NS, "w")] == 2.0
+
+
+def test_claims_pinned_to_another_incarnation_or_being_deleted_hold_nothing() -> None:
+    ledger = synced_ledger(
+        pod(), obj(deleting=True), claim("old", object_uid="an-older-uid"), claim("dying", deleting=True)
+    )
+    assert kinds(ledger.decide_object((NS, "w"), NOW)) == [Free]
+
+
+def test_source_pod_deleted_makes_the_object_lost_and_cleans_it_up_when_unclaimed() -> None:
+    p = pod()
+    ledger = synced_ledger(p, obj())
+    ledger.remove_pod(p)
+    actions = ledger.decide_object((NS, "w"), NOW)
+    assert kinds(actions) == [PatchObjectStatus, Emit, DeleteObject]
+    assert actions[0].status["state"] == names.STATE_LOST
+    assert actions[1].reason == "Lost"
+    assert actions[2].reason == "Lost"
+
+
+def test_lost_object_with_claims_stays_until_they_go_and_is_then_released_without_a_free() -> None:
+    p, c = pod(), claim()
+    ledger = synced_ledger(p, obj(), c)
+    ledger.remove_pod(p)
+    actions = ledger.decide_object((NS, "w"), NOW)
+    assert DeleteObject not in kinds(actions)
+    claim_actions = ledger.decide_claim((NS, "c1"), NOW)
+    assert claim_actions[0].status["state"] == "Lost"
+    # The owner deletes it; once the claim goes there is nothing to free: the memory went with the pod.
+    ledger.upsert_object(obj(deleting=True), now=1.0)
+    ledger.remove_claim(c, now=2.0)
+    (action,) = ledger.decide_object((NS, "w"), NOW)
+    assert action == ReleaseWithoutFree((NS, "w"), "obj-uid-1", "SourcePodDeleted")
+
+
+def test_source_pod_recreated_with_a_new_uid_makes_the_object_lost() -> None:
+    ledger = synced_ledger(pod(uid="pod-uid-2"), obj())
+    actions = ledger.decide_object((NS, "w"), NOW)
+    assert actions[0].status["state"] == names.STATE_LOST
+    assert "recreated" in actions[0].status["conditions"][0]["message"]
+
+
+def test_unknown_source_pod_is_looked_up_first() -> None:
+    ledger = synced_ledger(obj(deleting=True))
+    assert ledger.decide_object((NS, "w"), NOW) == [LookupPod(NS, "src")]
+
+
+def test_object_without_our_finalizer_gets_it() -> None:
+    ledger = synced_ledger(pod(), obj(finalized=False))
+    assert kinds(ledger.decide_object((NS, "w"), NOW)) == [AddFinalizer]
+
+
+def test_deleted_object_without_our_finalizer_is_left_to_the_api_server() -> None:
+    ledger = synced_ledger(pod(), obj(finalized=False, deleting=True))
+    assert ledger.decide_object((NS, "w"), NOW) == []
+
+
+def test_declared_object_is_materialized_by_its_source_agent() -> None:
+    declared = obj(spec_object_id=None, source_pod_uid=None, key_name="weights")
+    ledger = synced_ledger(pod(), declared)
+    assert ledger.decide_object((NS, "w"), NOW) == [Materialize((NS, "w"), "obj-uid-1", "10.0.0.5:8471", "obj-uid-1")]
+
+
+def test_declared_object_whose_pod_does_not_exist_yet_waits_instead_of_being_lost() -> None:
+    declared = obj(spec_object_id=None, source_pod_uid=None)
+    ledger = synced_ledger(declared)
+    ledger.remove_pod(PodInfo(NS, "src", uid="", deleted=True))
+    actions = ledger.decide_object((NS, "w"), NOW)
+    assert kinds(actions) == [PatchObjectStatus]
+    assert actions[0].status["state"] == names.STATE_PENDING
+
+
+def test_late_report_of_a_consumed_stream_item_is_deleted_not_counted() -> None:
+    """Seed 003: a report arriving after its item was consumed must not leave a reference."""
+    stream = StreamInfo(NS, "tokens", "s-uid", producer_pod="src", consumed=5, finalized=True)
+    late = obj("tokens-3", uid="i3", stream=("tokens", 3))
+    fresh = obj("tokens-5", uid="i5", stream=("tokens", 5))
+    ledger = synced_ledger(pod(), stream, late, fresh)
+    (action,) = ledger.decide_object((NS, "tokens-3"), NOW)
+    assert isinstance(action, DeleteObject) and action.reason == "StaleStreamReport"
+    assert DeleteObject not in kinds(ledger.decide_object((NS, "tokens-5"), NOW))
+
+
+def test_deleting_a_stream_deletes_its_items_then_finishes() -> None:
+    stream = StreamInfo(NS, "tokens", "s-uid", producer_pod="src", deleting=True, finalized=True)
+    item = obj("tokens-0", uid="i0", stream=("tokens", 0))
+    ledger = synced_ledger(pod(), stream, item)
+    assert kinds(ledger.decide_stream((NS, "tokens"), NOW)) == [DeleteObject]
+    ledger.upsert_object(obj("tokens-0", uid="i0", stream=("tokens", 0), deleting=True), now=1.0)
+    assert ledger.decide_stream((NS, "tokens"), NOW) == []  # waits for the item's free
+    ledger.remove_object(ledger.objects[(NS, "tokens-0")])
+    assert ledger.decide_stream((NS, "tokens"), NOW) == [FinishStream((NS, "tokens"), "s-uid", "10.0.0.5:8471")]
+
+
+def test_item_of_a_vanished_stream_is_deleted() -> None:
+    ledger = synced_ledger(pod(), obj("tokens-0", stream=("tokens", 0)))
+    (action,) = ledger.decide_object((NS, "tokens-0"), NOW)
+    assert isinstance(action, DeleteObject) and action.reason == "StreamDeleted"
+
+
+def test_claim_whose_holder_pod_is_gone_is_deleted_as_a_backstop_to_garbage_collection() -> None:
+    holder = pod("reader", uid="r-1")
+    c = claim(owner_pods={"reader": "r-1"})
+    ledger = synced_ledger(pod(), holder, obj(), c)
+    ledger.remove_pod(holder)
+    assert ledger.decide_claim((NS, "c1"), NOW) == [DeleteClaim((NS, "c1"), "claim-c1", "holder pod reader is gone")]
+
+
+def test_claim_naming_a_holder_gets_the_pod_as_owner() -> None:
+    ledger = synced_ledger(pod(), pod("reader", uid="r-1"), obj(), claim(holder_pod="reader"))
+    actions = ledger.decide_claim((NS, "c1"), NOW)
+    assert actions[0] == SetClaimOwner((NS, "c1"), "claim-c1", "reader", "r-1")
+    assert kinds(actions)[1:] == [PatchClaimStatus]
+
+
+def test_claim_on_a_missing_object_is_pending_and_lost_once_its_object_goes() -> None:
+    ledger = synced_ledger(pod(), claim(object_name="nope"))
+    (action,) = ledger.decide_claim((NS, "c1"), NOW)
+    assert action.status["state"] == "Pending"
+    ledger.claims[(NS, "c1")].status = {"state": "Bound"}
+    (action,) = ledger.decide_claim((NS, "c1"), NOW)
+    assert action.status["state"] == "Lost"
+
+
+def test_bound_claim_reports_bytes_and_source() -> None:
+    ledger = synced_ledger(pod(), obj(), claim())
+    (action,) = ledger.decide_claim((NS, "c1"), NOW)
+    assert action.status["state"] == "Bound"
+    assert action.status["bytes"] == 64 and action.status["sourcePod"] == "src"
+
+
+def test_a_late_event_never_overwrites_a_newer_version() -> None:
+    ledger = synced_ledger(pod(), obj(resource_version="20", status={"state": "Ready"}))
+    ledger.upsert_object(obj(resource_version="10"), now=1.0)
+    assert ledger.objects[(NS, "w")].status == {"state": "Ready"}
+
+
+def test_states_are_counted_for_the_gauges() -> None:
+    ledger = synced_ledger(pod(), obj(status={"state": "Ready"}), obj("v", uid="u2", status={"state": "Lost"}))
+    by_state = ledger.objects_by_state()
+    assert by_state["Ready"] == (1, 64) and by_state["Lost"] == (1, 64)
+    assert by_state["Pending"] == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("tensors", "expected"),
+    [
+        ([{"shape": [], "dtype": "float32"}], 4),
+        ([{"shape": [0, 5], "dtype": "int8"}], 0),
+        ([{"shape": [3], "dtype": "bfloat16"}, {"shape": [2, 2], "dtype": "bool"}], 10),
+    ],
+)
+def test_tensor_bytes_cover_0d_empty_and_multi_tensor_objects(tensors, expected) -> None:
+    assert tensor_bytes(tensors) == expected
