@@ -17,7 +17,13 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "Client", "FetchError", "GpuObjError", "ObjectLostError", "ObjectNotFoundError", "ObjectRef", "SharedRef",
+    "Client",
+    "FetchError",
+    "GpuObjError",
+    "ObjectLostError",
+    "ObjectNotFoundError",
+    "ObjectRef",
+    "SharedRef",
     "StreamClosedError",
 ]
 __version__ = "0.1.0"

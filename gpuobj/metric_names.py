@@ -15,6 +15,7 @@ FREES = "gpuobj_frees_total"  # counter{result}
 FREE_FAILURES = "gpuobj_free_failures_total"  # counter{reason}
 LOST_OBJECTS = "gpuobj_lost_objects_total"  # counter
 AUDIT_RUNS = "gpuobj_audit_runs_total"  # counter{result}
+OPERATOR_LEADER = "gpuobj_operator_leader"  # gauge: 1 while this replica holds the leader lease
 
 # Agent.
 AGENT_STORE_BYTES = "gpuobj_agent_store_bytes"  # gauge{device}

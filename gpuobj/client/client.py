@@ -41,7 +41,9 @@ def _short_id() -> str:
 
 
 def layout_of(tensor: Any) -> TensorLayout:
-    return TensorLayout(tuple(int(d) for d in tensor.shape), str(tensor.dtype).removeprefix("torch."), str(tensor.device))
+    return TensorLayout(
+        tuple(int(d) for d in tensor.shape), str(tensor.dtype).removeprefix("torch."), str(tensor.device)
+    )
 
 
 class Client:
@@ -102,12 +104,25 @@ class Client:
         from gpuobj_agent.runtime import AgentRuntime
 
         agent = AgentRuntime(
-            pod_name=pod_name, pod_namespace=namespace, pod_uid=pod_uid, host=host, port=port,
-            token_file=str(token_file), advertise_host=advertise_host,
+            pod_name=pod_name,
+            pod_namespace=namespace,
+            pod_uid=pod_uid,
+            host=host,
+            port=port,
+            token_file=str(token_file),
+            advertise_host=advertise_host,
         )
         agent.start()
-        return cls(pod_name=pod_name, namespace=namespace, pod_uid=pod_uid, agent=agent, kubeconfig=kubeconfig,
-                   token_file=token_file, timeout=timeout, owns_agent=True)
+        return cls(
+            pod_name=pod_name,
+            namespace=namespace,
+            pod_uid=pod_uid,
+            agent=agent,
+            kubeconfig=kubeconfig,
+            token_file=token_file,
+            timeout=timeout,
+            owns_agent=True,
+        )
 
     # ------------------------------------------------------------ sync facade
 
@@ -159,8 +174,15 @@ class Client:
 
     # ------------------------------------------------------------ implementation (runs on the client loop)
 
-    def object_body(self, name: str, object_id: str, layouts: Sequence[TensorLayout], *,
-                    labels: dict[str, str] | None = None, stream: tuple[str, int, str] | None = None) -> dict:
+    def object_body(
+        self,
+        name: str,
+        object_id: str,
+        layouts: Sequence[TensorLayout],
+        *,
+        labels: dict[str, str] | None = None,
+        stream: tuple[str, int, str] | None = None,
+    ) -> dict:
         meta: dict = {
             "name": name,
             "finalizers": [names.FINALIZER_FREE],
@@ -175,9 +197,14 @@ class Client:
         if stream is not None:
             stream_name, index, stream_uid = stream
             meta["labels"][names.LABEL_STREAM] = stream_name
-            meta["ownerReferences"] = [{
-                "apiVersion": names.API_VERSION, "kind": names.KIND_STREAM, "name": stream_name, "uid": stream_uid,
-            }]
+            meta["ownerReferences"] = [
+                {
+                    "apiVersion": names.API_VERSION,
+                    "kind": names.KIND_STREAM,
+                    "name": stream_name,
+                    "uid": stream_uid,
+                }
+            ]
             spec["stream"] = {"name": stream_name, "index": index}
         return {"metadata": meta, "spec": spec}
 
@@ -187,8 +214,14 @@ class Client:
     async def _agent_free(self, object_id: str) -> None:
         await asyncio.to_thread(self.agent.free, object_id)
 
-    async def aput_inner(self, tensors: Any, *, name: str | None = None, labels: dict[str, str] | None = None,
-                         stream: tuple[str, int, str] | None = None) -> ObjectRef:
+    async def aput_inner(
+        self,
+        tensors: Any,
+        *,
+        name: str | None = None,
+        labels: dict[str, str] | None = None,
+        stream: tuple[str, int, str] | None = None,
+    ) -> ObjectRef:
         tensors = list(tensors) if isinstance(tensors, list | tuple) else [tensors]
         object_id = f"o-{_short_id()}"
         name = name or f"{self.pod_name}-{object_id[2:12]}"
@@ -204,8 +237,9 @@ class Client:
             with contextlib.suppress(Exception):
                 await self._agent_free(object_id)
             raise
-        address = ObjectAddress(self.namespace, name, created["metadata"]["uid"], object_id, self.pod_name,
-                                self.agent.endpoint, layouts)
+        address = ObjectAddress(
+            self.namespace, name, created["metadata"]["uid"], object_id, self.pod_name, self.agent.endpoint, layouts
+        )
         return self._track(ObjectRef(address, "owner", self._enqueue_release))
 
     async def afetch_inner(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
@@ -224,10 +258,18 @@ class Client:
                 ) from exc
             status = obj.get("status") or {}
             if status.get("state") == names.STATE_LOST:
-                reason = next((c.get("message") for c in status.get("conditions", [])
-                               if c.get("type") == names.CONDITION_SOURCE_AVAILABLE), "source gone")
+                reason = next(
+                    (
+                        c.get("message")
+                        for c in status.get("conditions", [])
+                        if c.get("type") == names.CONDITION_SOURCE_AVAILABLE
+                    ),
+                    "source gone",
+                )
                 raise ObjectLostError(f"GPUObject {address.namespace}/{address.name} is Lost: {reason}") from exc
-            raise FetchError(f"fetching {address.namespace}/{address.name} from {address.source_endpoint} failed: {exc}") from exc
+            raise FetchError(
+                f"fetching {address.namespace}/{address.name} from {address.source_endpoint} failed: {exc}"
+            ) from exc
 
     def _token(self) -> str | None:
         return self.token_file.read_text().strip() if self.token_file else None
@@ -246,8 +288,15 @@ class Client:
     async def aborrow_inner(self, ref: ObjectRef | ObjectAddress) -> ObjectRef:
         address = ref.address if isinstance(ref, ObjectRef) else ref
         created = await self._create_claim(address, self.pod_name, self.pod_uid)
-        return self._track(ObjectRef(address, "claim", self._enqueue_release,
-                                     claim_name=created["metadata"]["name"], claim_uid=created["metadata"]["uid"]))
+        return self._track(
+            ObjectRef(
+                address,
+                "claim",
+                self._enqueue_release,
+                claim_name=created["metadata"]["name"],
+                claim_uid=created["metadata"]["uid"],
+            )
+        )
 
     async def ashare_inner(self, ref: ObjectRef | ObjectAddress, pod_name: str, pod_uid: str | None) -> SharedRef:
         address = ref.address if isinstance(ref, ObjectRef) else ref
@@ -259,8 +308,11 @@ class Client:
     def _adopt(self, shared: SharedRef) -> ObjectRef:
         if shared.holder_pod != self.pod_name:
             raise ValueError(f"this reference was shared with pod {shared.holder_pod}, not {self.pod_name}")
-        return self._track(ObjectRef(shared.address, "claim", self._enqueue_release,
-                                     claim_name=shared.claim_name, claim_uid=shared.claim_uid))
+        return self._track(
+            ObjectRef(
+                shared.address, "claim", self._enqueue_release, claim_name=shared.claim_name, claim_uid=shared.claim_uid
+            )
+        )
 
     def _track(self, ref: ObjectRef) -> ObjectRef:
         self._live.add(ref)

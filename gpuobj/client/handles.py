@@ -60,8 +60,15 @@ class ObjectRef:
 
     __slots__ = ("__weakref__", "_finalizer", "address", "claim_name", "claim_uid", "kind")
 
-    def __init__(self, address: ObjectAddress, kind: str, release: ReleaseFn | None, *,
-                 claim_name: str | None = None, claim_uid: str | None = None) -> None:
+    def __init__(
+        self,
+        address: ObjectAddress,
+        kind: str,
+        release: ReleaseFn | None,
+        *,
+        claim_name: str | None = None,
+        claim_uid: str | None = None,
+    ) -> None:
         self.address = address
         self.kind = kind
         self.claim_name = claim_name

@@ -45,7 +45,9 @@ class StreamWriter:
                 "name": name,
                 "finalizers": [names.FINALIZER_FREE],
                 # If the producer pod goes, so does the stream (and every item with it).
-                "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": client.pod_name, "uid": client.pod_uid}],
+                "ownerReferences": [
+                    {"apiVersion": "v1", "kind": "Pod", "name": client.pod_name, "uid": client.pod_uid}
+                ],
             },
             "spec": {"producer": {"podName": client.pod_name}},
         }
@@ -56,7 +58,9 @@ class StreamWriter:
         """Store and report the next item; returns its index. A failed report frees the bytes."""
         index = self.next_index
         self.next_index += 1
-        ref = await self.client.aput_inner(tensors, name=item_name(self.name, index), stream=(self.name, index, self.uid))
+        ref = await self.client.aput_inner(
+            tensors, name=item_name(self.name, index), stream=(self.name, index, self.uid)
+        )
         # The stream owns the item's reference from now on: the producer keeps no handle.
         ref.detach()
         return index
@@ -67,7 +71,10 @@ class StreamWriter:
     async def aclose(self) -> None:
         """Mark the end: readers stop after the last emitted item."""
         await self.client._kube.patch(
-            STREAMS, self.name, {"metadata": {"annotations": {ANNOTATION_END: str(self.next_index)}}}, self.client.namespace
+            STREAMS,
+            self.name,
+            {"metadata": {"annotations": {ANNOTATION_END: str(self.next_index)}}},
+            self.client.namespace,
         )
 
     def close(self) -> None:
@@ -109,8 +116,13 @@ class StreamReader:
                 if end is not None and index >= int(end):
                     return None, True
                 try:
-                    async for kind, obj in kube.watch(GPUOBJECTS, ns, resource_version=listed["metadata"]["resourceVersion"],
-                                                      label_selector=selector, timeout_seconds=10):
+                    async for kind, obj in kube.watch(
+                        GPUOBJECTS,
+                        ns,
+                        resource_version=listed["metadata"]["resourceVersion"],
+                        label_selector=selector,
+                        timeout_seconds=10,
+                    ):
                         if kind == "ADDED" and obj["metadata"]["name"] == wanted:
                             return obj, False
                 except Gone:
@@ -120,8 +132,9 @@ class StreamReader:
         return await asyncio.wait_for(wait(), self.item_timeout)
 
     async def _advance(self, index: int) -> None:
-        await self.client._kube.patch(STREAMS, self.name, {"status": {"consumed": index + 1}}, self.client.namespace,
-                                      subresource="status")
+        await self.client._kube.patch(
+            STREAMS, self.name, {"status": {"consumed": index + 1}}, self.client.namespace, subresource="status"
+        )
 
     async def aiter(self) -> AsyncIterator[list]:
         if self.position is None:
@@ -168,7 +181,12 @@ def _address_of(obj: dict) -> ObjectAddress:
         names.ANNOTATION_SOURCE_ENDPOINT, ""
     )
     return ObjectAddress(
-        meta["namespace"], meta["name"], meta["uid"], spec["objectId"], spec["source"]["podName"], endpoint,
+        meta["namespace"],
+        meta["name"],
+        meta["uid"],
+        spec["objectId"],
+        spec["source"]["podName"],
+        endpoint,
         tuple(TensorLayout.from_spec(t) for t in spec["tensors"]),
     )
 

@@ -369,16 +369,14 @@ class DevCluster:
         state = self.load_state()
         if state:
             marker = str(self.state_dir)
+            # One at a time, in reverse: kube-apiserver shuts down promptly only while etcd still answers.
             for name in reversed(COMPONENTS):
                 pid = state.pids.get(name)
-                if pid and _pid_alive(pid) and _pid_is_ours(pid, marker):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + timeout
-            for name in reversed(COMPONENTS):
-                pid = state.pids.get(name)
-                if not pid:
+                if not pid or not _pid_alive(pid) or not _pid_is_ours(pid, marker):
                     continue
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+                deadline = time.monotonic() + timeout
                 while _pid_alive(pid) and time.monotonic() < deadline:
                     time.sleep(0.05)
                 if _pid_alive(pid) and _pid_is_ours(pid, marker):

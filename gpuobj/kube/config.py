@@ -29,6 +29,11 @@ class KubeConfig:
     token_file: Path | None = None
     token: str | None = None
     namespace: str = "default"
+    # The same credentials as files, for libraries that want paths (kopf's login).
+    ca_path: str | None = None
+    cert_path: str | None = None
+    key_path: str | None = None
+    insecure: bool = False
 
     def bearer(self) -> str | None:
         """Read the token each time: projected ServiceAccount tokens rotate."""
@@ -79,6 +84,10 @@ def from_kubeconfig(path: str | os.PathLike[str] | None = None, context: str | N
         token_file=token_file,
         token=user.get("token"),
         namespace=ctx.get("namespace", "default"),
+        ca_path=ca,
+        cert_path=cert,
+        key_path=key,
+        insecure=bool(cluster.get("insecure-skip-tls-verify")),
     )
 
 

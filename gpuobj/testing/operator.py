@@ -17,16 +17,33 @@ from pathlib import Path
 class OperatorProcess:
     """`gpuobj operator` in its own process, with its output captured for assertions and failures."""
 
-    def __init__(self, kubeconfig: Path, token_file: Path, *, identity: str = "op-1", lease_namespace: str = "default",
-                 extra_args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        kubeconfig: Path,
+        token_file: Path,
+        *,
+        identity: str = "op-1",
+        lease_namespace: str = "default",
+        extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.args = [
-            sys.executable, "-m", "gpuobj.cli", "operator",
-            "--kubeconfig", str(kubeconfig),
-            "--token-file", str(token_file),
-            "--metrics-host", "127.0.0.1",
-            "--metrics-port", "0",
-            "--identity", identity,
-            "--lease-namespace", lease_namespace,
+            sys.executable,
+            "-m",
+            "gpuobj.cli",
+            "operator",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--token-file",
+            str(token_file),
+            "--metrics-host",
+            "127.0.0.1",
+            "--metrics-port",
+            "0",
+            "--identity",
+            identity,
+            "--lease-namespace",
+            lease_namespace,
             *(extra_args or []),
         ]
         self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
@@ -38,7 +55,9 @@ class OperatorProcess:
         self._reader: threading.Thread | None = None
 
     def start(self) -> OperatorProcess:
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env)
+        self.proc = subprocess.Popen(
+            self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env
+        )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         line = self.wait_for_line(r"metrics and probes on (http://\S+)", timeout=60)
@@ -64,7 +83,9 @@ class OperatorProcess:
                     if rx.search(line):
                         return line
                 if self.proc and self.proc.poll() is not None and not (self._reader and self._reader.is_alive()):
-                    raise AssertionError(f"operator exited ({self.proc.returncode}) before {pattern!r}:\n{self.output()}")
+                    raise AssertionError(
+                        f"operator exited ({self.proc.returncode}) before {pattern!r}:\n{self.output()}"
+                    )
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise AssertionError(f"operator did not print {pattern!r} within {timeout}s:\n{self.output()}")

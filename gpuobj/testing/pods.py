@@ -20,25 +20,44 @@ async def create_agent_pod(kube: KubeClient, namespace: str, name: str, *, host:
             "annotations": {names.ANNOTATION_AGENT_HOST: host, names.ANNOTATION_AGENT_PORT: str(port)},
         },
         "spec": {
-            "containers": [{"name": "workload", "image": "gpuobj/workload:dev",
-                            "ports": [{"name": names.AGENT_PORT_NAME, "containerPort": port}]}],
+            "containers": [
+                {
+                    "name": "workload",
+                    "image": "gpuobj/workload:dev",
+                    "ports": [{"name": names.AGENT_PORT_NAME, "containerPort": port}],
+                }
+            ],
             "terminationGracePeriodSeconds": 0,
         },
     }
     pod = await kube.create(PODS, body, namespace)
-    return await kube.patch(
-        PODS, name,
-        {"status": {"phase": "Running", "podIP": host, "podIPs": [{"ip": host}],
-                    "conditions": [{"type": "Ready", "status": "True"}]}},
-        namespace, subresource="status",
-    ) or pod
+    return (
+        await kube.patch(
+            PODS,
+            name,
+            {
+                "status": {
+                    "phase": "Running",
+                    "podIP": host,
+                    "podIPs": [{"ip": host}],
+                    "conditions": [{"type": "Ready", "status": "True"}],
+                }
+            },
+            namespace,
+            subresource="status",
+        )
+        or pod
+    )
 
 
 async def create_plain_pod(kube: KubeClient, namespace: str, name: str) -> dict:
     """A pod that holds claims but runs no agent of its own (labelled, so the operator watches it)."""
     body = {
         "metadata": {"name": name, "labels": {names.LABEL_AGENT: "true"}},
-        "spec": {"containers": [{"name": "workload", "image": "gpuobj/workload:dev"}], "terminationGracePeriodSeconds": 0},
+        "spec": {
+            "containers": [{"name": "workload", "image": "gpuobj/workload:dev"}],
+            "terminationGracePeriodSeconds": 0,
+        },
     }
     return await kube.create(PODS, body, namespace)
 

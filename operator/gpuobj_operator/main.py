@@ -11,16 +11,19 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
 
 import kopf
+import prometheus_client
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpuobj import names
 from gpuobj.kube.client import PODS, KubeClient
+from gpuobj.kube.config import KubeConfig
 from gpuobj.kube.config import load as load_config
 from gpuobj_operator.agent_client import AgentClient
 from gpuobj_operator.events import EventRecorder
@@ -99,12 +102,22 @@ class HealthServer:
             await self._runner.cleanup()
 
 
-def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
+def build_registry(reconciler: Reconciler, config: KubeConfig) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
-    def login(**kwargs):
-        return kopf.login_via_client(**kwargs)
+    def login(**_):
+        # The same credentials as our own client (--kubeconfig or in-cluster), re-read for rotated tokens.
+        return kopf.ConnectionInfo(
+            server=config.server,
+            ca_path=config.ca_path,
+            insecure=config.insecure or None,
+            certificate_path=config.cert_path,
+            private_key_path=config.key_path,
+            scheme="Bearer" if config.bearer() else None,
+            token=config.bearer(),
+            default_namespace=config.namespace,
+        )
 
     @kopf.on.event(names.GROUP, names.VERSION, names.PLURAL_OBJECT, registry=registry)
     def on_object(event, **_):
@@ -132,7 +145,8 @@ def kopf_settings() -> kopf.OperatorSettings:
 
 
 async def run(args: argparse.Namespace) -> int:
-    kube = KubeClient(load_config(args.kubeconfig))
+    config = load_config(args.kubeconfig)
+    kube = KubeClient(config)
     reconciler_box: list[Reconciler] = []
     metrics = OperatorMetrics(lambda: reconciler_box[0].ledger if reconciler_box else _empty_ledger())
     health = HealthServer(metrics, args.metrics_host, args.metrics_port)
@@ -148,16 +162,13 @@ async def run(args: argparse.Namespace) -> int:
             namespace=args.lease_namespace,
             identity=args.identity,
             lease_seconds=args.lease_seconds,
-            renew_seconds=max(1.0, args.lease_seconds / 3),
-            retry_seconds=max(0.5, args.lease_seconds / 6),
+            renew_seconds=max(0.5, min(5.0, args.lease_seconds / 3)),
+            retry_seconds=max(0.5, min(2.0, args.lease_seconds / 6)),
         ),
     )
     health.state = "standby"
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in ("SIGTERM", "SIGINT"):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(getattr(__import__("signal"), sig), stop.set)
+    _install_signal_handlers(stop)
     acquire = asyncio.create_task(elector.acquire())
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({acquire, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -187,22 +198,31 @@ async def run(args: argparse.Namespace) -> int:
     pods = Informer(kube, PODS, reconciler.on_pod, namespace=args.namespace, label_selector=LABEL_AGENT_SELECTOR)
     rc = 0
     kopf_stop = asyncio.Event()
+    operator: asyncio.Task | None = None
     try:
         await reconciler.sync()
         pods.start()
         reconciler.start()
         health.state = "leading"
         print("gpuobj operator: synced and reconciling", flush=True)
+        kopf_ready = asyncio.Event()
         operator = asyncio.create_task(
             kopf.operator(
-                registry=build_registry(reconciler),
+                registry=build_registry(reconciler, config),
                 settings=kopf_settings(),
                 standalone=True,
                 clusterwide=args.namespace is None,
                 namespaces=[args.namespace] if args.namespace else (),
                 stop_flag=kopf_stop,
+                ready_flag=kopf_ready,
             )
         )
+        ready_wait = asyncio.create_task(kopf_ready.wait())
+        await asyncio.wait({ready_wait, operator}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+        ready_wait.cancel()
+        # kopf installed its own signal handlers; take them back so that a SIGTERM stops kopf through
+        # its stop flag (a clean stop) and lets us release the lease on the way out.
+        _install_signal_handlers(stop)
         hold = asyncio.create_task(elector.hold())
         done, _ = await asyncio.wait({operator, hold, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if hold in done:
@@ -211,22 +231,32 @@ async def run(args: argparse.Namespace) -> int:
         elif operator in done and operator.exception():
             rc = 1
             log.error("kopf stopped: %r", operator.exception())
-        kopf_stop.set()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(operator, timeout=10)
         hold.cancel()
     finally:
+        # Stop acting first, then hand the lease over, then wind down what only reads or reports.
         health.state = "stopping"
         stopping.cancel()
-        await pods.stop()
         await reconciler.stop()
-        await events.stop()
+        await pods.stop()
         if rc == 0:
             await elector.release()
+        kopf_stop.set()
+        if operator is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(operator, timeout=10)
+        await events.stop()
         await agents.close()
         await kube.close()
         await health.stop()
+        print("gpuobj operator: stopped", flush=True)
     return rc
+
+
+def _install_signal_handlers(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
 
 
 def _empty_ledger():
@@ -237,6 +267,7 @@ def _empty_ledger():
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    prometheus_client.disable_created_metrics()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kopf").setLevel(logging.WARNING)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

@@ -7,6 +7,7 @@ import datetime as dt
 import pytest
 
 from gpuobj import names
+from gpuobj.layout import tensor_bytes
 from gpuobj_operator.ledger import (
     AddFinalizer,
     DeleteClaim,
@@ -22,14 +23,15 @@ from gpuobj_operator.ledger import (
     ReleaseWithoutFree,
     SetClaimOwner,
 )
-from gpuobj.layout import tensor_bytes
 from gpuobj_operator.model import ClaimInfo, ObjectInfo, PodInfo, StreamInfo
 
 NOW = dt.datetime(2026, 11, 29, 12, 0, tzinfo=dt.UTC)
 NS = "ml"
 
 
-def pod(name: str = "src", uid: str = "pod-uid-1", endpoint: str | None = "10.0.0.5:8471", phase: str = "Running") -> PodInfo:
+def pod(
+    name: str = "src", uid: str = "pod-uid-1", endpoint: str | None = "10.0.0.5:8471", phase: str = "Running"
+) -> PodInfo:
     return PodInfo(NS, name, uid, phase=phase, endpoint=endpoint)
 
 
@@ -37,9 +39,14 @@ def obj(name: str = "w", *, uid: str = "obj-uid-1", deleting: bool = False, fina
     kw.setdefault("spec_object_id", f"o-{name}")
     kw.setdefault("source_pod_uid", "pod-uid-1")
     return ObjectInfo(
-        NS, name, uid, source_pod=kw.pop("source_pod", "src"),
+        NS,
+        name,
+        uid,
+        source_pod=kw.pop("source_pod", "src"),
         tensors=kw.pop("tensors", [{"shape": [4, 4], "dtype": "float32", "device": "cpu"}]),
-        deleting=deleting, finalized=finalized, **kw,
+        deleting=deleting,
+        finalized=finalized,
+        **kw,
     )
 
 

@@ -1,0 +1,95 @@
+# gpuobj container images, one Dockerfile, two targets:
+#
+#   docker build --target operator -t ghcr.io/gpuobj/gpuobj-operator:0.1.0 .   # ENTRYPOINT gpuobj operator
+#   docker build --target agent    -t ghcr.io/gpuobj/gpuobj-agent:0.1.0 .      # ENTRYPOINT gpuobj agent
+#
+# Stages: `builder` builds the gpuobj wheel (pyproject.toml; packages gpuobj, gpuobj_agent from agent/,
+# gpuobj_operator from operator/) and the operator's virtualenv; `agent-builder` installs the wheel with
+# all its pinned dependencies (torch, NIXL, ...) into the agent's virtualenv on the CUDA base. The final
+# stages copy a virtualenv and add nothing else: no compilers, no build tools, no pip cache, a numeric
+# non-root user. Python dependency pins live in pyproject.toml only; base images are pinned here, by
+# exact tag (tests/deploy/test_dockerfile.py checks all of this statically).
+#
+# In Kubernetes the probes are the chart's (operator: /healthz and /readyz on 8080) and the workload's
+# (agent: /healthz and /readyz on 8471); HEALTHCHECK below serves plain `docker run`.
+
+ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
+# torch 2.15 wheels are CUDA 13 builds (they bring their own CUDA libraries; the base brings the rest
+# of the CUDA runtime and the driver integration of the NVIDIA container toolkit).
+ARG CUDA_IMAGE=nvidia/cuda:13.2.0-runtime-ubuntu24.04
+
+# ------------------------------------------------------------------ builder: wheel + operator venv
+FROM ${PYTHON_IMAGE} AS builder
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY gpuobj ./gpuobj
+COPY agent ./agent
+COPY operator ./operator
+RUN python -m pip wheel --no-deps --wheel-dir /dist .
+# The operator never imports the data plane (torch, nixl, numpy; tests/deploy checks that), so its
+# venv gets pyproject.toml's pinned dependencies without them, and the wheel without dependencies.
+RUN python -c "import re, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if re.split(r'[<>=!~ ;\[]', d, maxsplit=1)[0].lower() not in {'torch', 'nixl', 'numpy'}))" > /tmp/operator-requirements.txt \
+ && python -m venv /opt/gpuobj \
+ && /opt/gpuobj/bin/pip install --no-cache-dir -r /tmp/operator-requirements.txt \
+ && /opt/gpuobj/bin/pip install --no-cache-dir --no-deps /dist/gpuobj-*.whl \
+ && /opt/gpuobj/bin/python -m pip uninstall --yes pip \
+ && /opt/gpuobj/bin/gpuobj operator --help > /dev/null
+
+# ------------------------------------------------------------------ agent-builder: agent venv on the CUDA base
+FROM ${CUDA_IMAGE} AS agent-builder
+ENV DEBIAN_FRONTEND=noninteractive \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1
+RUN apt-get update \
+ && apt-get install --yes --no-install-recommends python3 python3-venv \
+ && rm -rf /var/lib/apt/lists/*
+COPY --from=builder /dist /dist
+RUN python3 -m venv /opt/gpuobj \
+ && /opt/gpuobj/bin/pip install --no-cache-dir /dist/gpuobj-*.whl \
+ && /opt/gpuobj/bin/python -m pip uninstall --yes pip \
+ && /opt/gpuobj/bin/gpuobj agent --help > /dev/null
+
+# ------------------------------------------------------------------ agent: standalone agent, base of workload images
+FROM ${CUDA_IMAGE} AS agent
+ENV DEBIAN_FRONTEND=noninteractive
+# Only the interpreter the venv links to (/usr/bin/python3, as in agent-builder); no -dev, no pip.
+RUN apt-get update \
+ && apt-get install --yes --no-install-recommends python3 \
+ && rm -rf /var/lib/apt/lists/* \
+ && groupadd --system --gid 65532 gpuobj \
+ && useradd --system --uid 65532 --gid 65532 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin gpuobj
+COPY --from=agent-builder /opt/gpuobj /opt/gpuobj
+ENV PATH=/opt/gpuobj/bin:$PATH \
+    HOME=/tmp \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+LABEL org.opencontainers.image.title="gpuobj-agent" \
+      org.opencontainers.image.description="gpuobj agent: per-pod object store, NIXL, control server" \
+      org.opencontainers.image.licenses="Apache-2.0"
+USER 65532:65532
+EXPOSE 8471
+HEALTHCHECK --interval=30s --timeout=5s --start-period=30s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8471/healthz', timeout=4)"]
+ENTRYPOINT ["gpuobj", "agent"]
+
+# ------------------------------------------------------------------ operator (the default target)
+FROM ${PYTHON_IMAGE} AS operator
+RUN groupadd --system --gid 65532 gpuobj \
+ && useradd --system --uid 65532 --gid 65532 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin gpuobj
+COPY --from=builder /opt/gpuobj /opt/gpuobj
+ENV PATH=/opt/gpuobj/bin:$PATH \
+    HOME=/tmp \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+LABEL org.opencontainers.image.title="gpuobj-operator" \
+      org.opencontainers.image.description="gpuobj operator: frees GPU objects when out of scope" \
+      org.opencontainers.image.licenses="Apache-2.0"
+USER 65532:65532
+EXPOSE 8080
+HEALTHCHECK --interval=30s --timeout=5s --start-period=20s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('GPUOBJ_METRICS_PORT', '8080'), timeout=4)"]
+ENTRYPOINT ["gpuobj", "operator"]

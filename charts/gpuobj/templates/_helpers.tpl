@@ -1,0 +1,119 @@
+{{/* Names, labels and shared fragments of the gpuobj chart. */}}
+
+{{- define "gpuobj.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* <release> when it contains the chart name, else <release>-<chart>; 40 characters leave room for suffixes. */}}
+{{- define "gpuobj.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gpuobj.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels every object carries. */}}
+{{- define "gpuobj.labels" -}}
+helm.sh/chart: {{ include "gpuobj.chart" . }}
+app.kubernetes.io/name: {{ include "gpuobj.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: gpuobj
+{{- end -}}
+
+{{/* The operator pod's selector: stable across upgrades, so never add to it. */}}
+{{- define "gpuobj.operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "gpuobj.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "gpuobj.operator.name" -}}
+{{- printf "%s-operator" (include "gpuobj.fullname" .) -}}
+{{- end -}}
+
+{{- define "gpuobj.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "gpuobj.operator.name" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gpuobj.leaseName" -}}
+{{- default (include "gpuobj.operator.name" .) .Values.operator.leaseName -}}
+{{- end -}}
+
+{{- define "gpuobj.tokenSecretName" -}}
+{{- if .Values.agentToken.existingSecret -}}
+{{- .Values.agentToken.existingSecret -}}
+{{- else -}}
+{{- default (printf "%s-agent-token" (include "gpuobj.fullname" .)) .Values.agentToken.secretName -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gpuobj.workloadRoleName" -}}
+{{- printf "%s-workload" (include "gpuobj.fullname" .) -}}
+{{- end -}}
+
+{{- define "gpuobj.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The operator's rules on workload objects: derived from operator/gpuobj_operator (reconciler.py,
+informer.py, events.py, main.py). Watches and lists (kopf and the pod informer), reads, finalizer and
+ownerReference patches, status patches, deletes of objects and claims it settles, Events it posts.
+Nothing on Secrets, CRDs or namespaces (kopf runs standalone with scanning disabled).
+*/}}
+{{- define "gpuobj.operator.rules" -}}
+- apiGroups: [gpuobj.io]
+  resources: [gpuobjects, gpuobjectclaims]
+  verbs: [get, list, watch, patch, delete]
+- apiGroups: [gpuobj.io]
+  resources: [gpuobjectstreams]
+  verbs: [get, list, watch, patch]
+- apiGroups: [gpuobj.io]
+  resources: [gpuobjectclaims/status, gpuobjectstreams/status]
+  verbs: [patch]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end -}}
+
+{{/* What the client library (gpuobj/client) does from a workload pod. */}}
+{{- define "gpuobj.workload.rules" -}}
+- apiGroups: [gpuobj.io]
+  resources: [gpuobjects]
+  verbs: [create, get, list, watch, delete]
+- apiGroups: [gpuobj.io]
+  resources: [gpuobjectclaims]
+  verbs: [create, get, delete]
+- apiGroups: [gpuobj.io]
+  resources: [gpuobjectstreams]
+  verbs: [create, get, patch, delete]
+- apiGroups: [gpuobj.io]
+  resources: [gpuobjectstreams/status]
+  verbs: [patch]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get]
+{{- end -}}
