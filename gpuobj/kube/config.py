@@ -7,6 +7,7 @@ nothing more, and both the operator and workloads must work in and out of a clus
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 import ssl
 import tempfile
@@ -43,16 +44,22 @@ class KubeConfig:
 
 
 def _materialize(data_b64: str | None, path: str | None, base: Path, suffix: str) -> str | None:
-    """ssl needs files: write embedded kubeconfig data to a private temp file."""
+    """ssl needs files: write embedded kubeconfig data once to a private, content-addressed file."""
     if path:
         p = Path(path)
         return str(p if p.is_absolute() else base / p)
     if not data_b64:
         return None
-    fd, name = tempfile.mkstemp(prefix="gpuobj-kube-", suffix=suffix)
-    with os.fdopen(fd, "wb") as f:
-        f.write(base64.b64decode(data_b64))
-    return name
+    data = base64.b64decode(data_b64)
+    folder = Path(tempfile.gettempdir()) / f"gpuobj-kubeconfig-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    target = folder / (hashlib.sha256(data).hexdigest()[:32] + suffix)
+    if not target.is_file():
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        Path(tmp).replace(target)
+    return str(target)
 
 
 def from_kubeconfig(path: str | os.PathLike[str] | None = None, context: str | None = None) -> KubeConfig:

@@ -4,10 +4,11 @@ Why a real process: a source pod's bytes must live in another address space than
 reader's for NIXL to move them for real, and seed 004 (teardown at interpreter exit)
 can only be shown by a process that exits.
 
-The process runs a snippet with ``client`` (a connected gpuobj.Client), ``torch``,
-``emit(**values)`` (report JSON-able values to the test) and ``wait_command()`` (block
-until the test sends a command line, returning it) in scope. Values that are not JSON
-(handles, SharedRefs) are passed as base64 pickles with ``emit_pickle(name, value)``.
+The process connects a gpuobj.Client (``client``), then serves a tiny request loop on
+stdin: the test sends Python statements (``run``) or expressions (``eval``) to execute
+in the workload, with ``client``, ``torch`` and ``gpuobj`` in scope; results come back
+as JSON (or as base64 pickles with ``eval_pickle``, e.g. a SharedRef to hand to another
+workload). The workload's own code is the library's real code, in a real process.
 """
 
 from __future__ import annotations
@@ -17,30 +18,28 @@ import json
 import os
 import pickle
 import queue
+import socket
 import subprocess
 import sys
-import textwrap
 import threading
 from pathlib import Path
 from typing import Any
 
-BOOTSTRAP = """
-import base64, json, pickle, sys, os
+BOOTSTRAP = r"""
+import base64, json, os, pickle, sys, traceback
 import torch
 import gpuobj
-
-def emit(**values):
-    print("@@" + json.dumps(values), flush=True)
-
-def emit_pickle(name, value):
-    emit(**{name: base64.b64encode(pickle.dumps(value)).decode()})
 
 def load_pickle(text):
     return pickle.loads(base64.b64decode(text))
 
-def wait_command():
-    line = sys.stdin.readline()
-    return line.strip() if line else "exit"
+def dump_pickle(value):
+    return base64.b64encode(pickle.dumps(value)).decode()
+
+def reply(**values):
+    sys.__stdout__.write("@@" + json.dumps(values) + "
+")
+    sys.__stdout__.flush()
 
 client = gpuobj.Client.connect(
     pod_name=os.environ["GPUOBJ_POD_NAME"], namespace=os.environ["GPUOBJ_POD_NAMESPACE"],
@@ -48,8 +47,28 @@ client = gpuobj.Client.connect(
     host="127.0.0.1", port=int(os.environ["GPUOBJ_AGENT_PORT"]), advertise_host="127.0.0.1",
     kubeconfig=os.environ["KUBECONFIG"],
 )
-emit(ready=True, endpoint=client.agent.endpoint)
+scope = {"client": client, "torch": torch, "gpuobj": gpuobj, "load_pickle": load_pickle, "dump_pickle": dump_pickle}
+reply(ready=True, endpoint=client.agent.endpoint)
+for line in sys.stdin:
+    request = json.loads(line)
+    try:
+        if request["mode"] == "run":
+            exec(request["code"], scope)
+            reply(ok=True, value=None)
+        else:
+            value = eval(request["code"], scope)
+            reply(ok=True, value=dump_pickle(value) if request["mode"] == "eval_pickle" else value)
+    except BaseException as exc:
+        reply(ok=False, error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())
+    if request.get("exit"):
+        break
 """
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def pickled(value: Any) -> str:
@@ -58,6 +77,10 @@ def pickled(value: Any) -> str:
 
 def unpickled(text: str) -> Any:
     return pickle.loads(base64.b64decode(text))
+
+
+class WorkloadError(AssertionError):
+    """Code sent to a workload raised; the message carries the workload's traceback."""
 
 
 class WorkloadProcess:
@@ -73,7 +96,7 @@ class WorkloadProcess:
         kubeconfig: Path,
         env: dict[str, str] | None = None,
     ) -> None:
-        self.source = BOOTSTRAP + "\n" + textwrap.dedent(script)
+        self.source = BOOTSTRAP
         self.env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
@@ -102,6 +125,10 @@ class WorkloadProcess:
         self.expect("ready", timeout=ready_timeout)
         return self
 
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.env['GPUOBJ_AGENT_PORT']}"
+
     def _read(self) -> None:
         assert self.proc and self.proc.stdout
         for line in self.proc.stdout:
@@ -111,23 +138,42 @@ class WorkloadProcess:
                 self.log.append(line.rstrip())
         self._values.put({"__exit__": True})
 
+    def _next(self, timeout: float) -> dict:
+        try:
+            values = self._values.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"workload did not answer within {timeout}s:\n{self.output()}") from None
+        if values.get("__exit__"):
+            self._values.put(values)
+            raise AssertionError(f"workload exited ({self.proc.wait() if self.proc else None}):\n{self.output()}")
+        return values
+
     def expect(self, key: str, timeout: float = 60) -> Any:
-        """The next value the workload emitted under ``key`` (fails with its output if it died)."""
         while True:
-            try:
-                values = self._values.get(timeout=timeout)
-            except queue.Empty:
-                raise AssertionError(f"workload did not emit {key!r} within {timeout}s:\n{self.output()}") from None
-            if values.get("__exit__"):
-                self._values.put(values)
-                raise AssertionError(f"workload exited ({self.proc.wait()}) before emitting {key!r}:\n{self.output()}")
+            values = self._next(timeout)
             if key in values:
                 return values[key]
 
-    def send(self, command: str) -> None:
+    def _request(self, mode: str, code: str, timeout: float, exit: bool = False) -> Any:
         assert self.proc and self.proc.stdin
-        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.write(json.dumps({"mode": mode, "code": code, "exit": exit}) + "\n")
         self.proc.stdin.flush()
+        answer = self._next(timeout)
+        if not answer.get("ok"):
+            raise WorkloadError(f"in workload: {answer.get('error')}\n{answer.get('trace', '')}")
+        return answer.get("value")
+
+    def run(self, code: str, timeout: float = 60) -> None:
+        """Execute statements in the workload."""
+        self._request("run", code, timeout)
+
+    def eval(self, expr: str, timeout: float = 60) -> Any:
+        """Evaluate an expression in the workload; its value must be JSON-able."""
+        return self._request("eval", expr, timeout)
+
+    def eval_pickle(self, expr: str, timeout: float = 60) -> str:
+        """Evaluate and return the value pickled (base64), to pass to another workload."""
+        return self._request("eval_pickle", expr, timeout)
 
     def output(self) -> str:
         return "\n".join(self.log[-100:])

@@ -283,6 +283,7 @@ class Reconciler:
         if live:
             return  # the ledger now knows them; the object stays
         # 2. Free on the source agent (idempotent there).
+        log.info("freeing %s/%s (object %s, %d bytes) on %s", *a.key, a.object_id, a.bytes, a.endpoint)
         started = time.monotonic()
         try:
             result = await self.agents.free(a.endpoint, a.object_id, reason=a.reason)

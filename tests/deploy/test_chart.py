@@ -26,6 +26,7 @@ from tests.deploy.support import (
     DEPLOY,
     REPO,
     find,
+    kube_version,
     merge,
     one,
     parse,
@@ -54,7 +55,7 @@ def all_features(workload_ns: str = "ml") -> dict:
 
 @pytest.mark.parametrize("features", ["defaults", "every optional feature"])
 def test_helm_lint_passes_strictly(features: str, tmp_path: Path) -> None:
-    args = ["lint", "--strict", str(CHART), "--kube-version", "1.37.2"]
+    args = ["lint", "--strict", str(CHART), "--kube-version", kube_version()]
     if features != "defaults":
         values = tmp_path / "values.yaml"
         values.write_text(yaml.safe_dump(all_features()))

@@ -26,7 +26,10 @@ def committed() -> dict:
 def test_committed_dashboard_is_what_the_code_generates() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "gpuobj.observability.dashboard", "--check"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

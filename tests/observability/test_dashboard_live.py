@@ -161,7 +161,6 @@ def test_every_operator_panel_and_rule_query_answers_from_the_real_operator(
     assert rc == 0, operator.output()
 
 
-
 def dashboard_exprs() -> list[tuple[str, str]]:
     """Panel queries with Grafana's macros set to a window that covers the whole test."""
     return [(t, queries.for_prometheus(e, rate_interval="1m", range_="5m")) for t, e in dashboard.panel_queries()]

@@ -34,7 +34,10 @@ def test_scrapes_a_real_exporter_answers_queries_and_stops_cleanly(exporter: Exp
         (sample,) = prom.wait_for_series("harness_test_value", equals(7), timeout=20)
         assert sample["metric"] == {"__name__": "harness_test_value", "job": "test-exporter", "instance": address}
 
-        (series,) = prom.query_range("harness_test_value", start, time.time(), step=0.5)
+        # End the range exactly at the instant the 7 was seen, so its last point is that evaluation.
+        seen_at = float(sample["value"][0])
+        steps = int((seen_at - start) / 0.25) + 1
+        (series,) = prom.query_range("harness_test_value", seen_at - steps * 0.25, seen_at, step=0.25)
         seen = [float(v) for _, v in series["values"]]
         assert 42.0 in seen and seen[-1] == 7.0
         (scalar,) = prom.query("scalar(harness_test_value) * 2")
@@ -71,7 +74,9 @@ def test_operator_job_keeps_the_exporters_namespace_and_pod(exporter: Exporter) 
         assert not any(k.startswith("exported_") for k in by_job[OPERATOR_JOB])
         other = by_job["default-policy"]
         assert (other["namespace"], other["exported_namespace"], other["exported_pod"]) == (
-            "gpuobj-system", "ml", "producer-0"
+            "gpuobj-system",
+            "ml",
+            "producer-0",
         )
 
 

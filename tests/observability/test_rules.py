@@ -30,7 +30,10 @@ def committed_rules() -> list[dict]:
 def test_committed_rules_are_what_the_code_generates() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "gpuobj.observability.rules", "--check"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -63,9 +66,7 @@ def test_required_alerts_have_their_duration_severity_and_annotations() -> None:
 
 
 def test_every_alert_has_a_unit_test_and_a_runbook_section() -> None:
-    tested = {
-        a["alertname"] for t in yaml.safe_load(RULE_TESTS.read_text())["tests"] for a in t["alert_rule_test"]
-    }
+    tested = {a["alertname"] for t in yaml.safe_load(RULE_TESTS.read_text())["tests"] for a in t["alert_rule_test"]}
     readme = (RULES.parent / "README.md").read_text()
     for name in rules.alert_names():
         assert name in tested, f"{name} has no promtool unit test"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import uuid
 from collections.abc import Iterator
@@ -11,6 +12,8 @@ import pytest
 
 from gpuobj.testing.cluster import ClusterHandle
 from gpuobj.testing.operator import OperatorProcess
+from gpuobj.testing.pods import create_agent_pod, delete_pod
+from gpuobj.testing.workload import WorkloadProcess, free_port
 
 # Fast enough for tests; the production defaults are in operator/gpuobj_operator/main.py.
 FAST_ARGS = [
@@ -61,3 +64,86 @@ def operator(gpuobj_cluster: ClusterHandle, token_file: Path, namespace: str) ->
     yield op
     rc = op.stop()
     assert rc == 0, f"operator exited {rc}:\n{op.output()}"
+
+
+class Pods:
+    """Workload pods for one test: a Pod object (no kubelet) plus a real process running the client library."""
+
+    def __init__(self, cluster: ClusterHandle, namespace: str, token_file: Path) -> None:
+        self.cluster = cluster
+        self.namespace = namespace
+        self.token_file = token_file
+        self.workloads: dict[str, WorkloadProcess] = {}
+        self.uids: dict[str, str] = {}
+
+    def workload(self, name: str) -> WorkloadProcess:
+        port = free_port()
+
+        async def create() -> dict:
+            async with self.cluster.client() as kube:
+                return await create_agent_pod(kube, self.namespace, name, port=port)
+
+        pod = asyncio.run(create())
+        self.uids[name] = pod["metadata"]["uid"]
+        w = WorkloadProcess(
+            pod_name=name,
+            namespace=self.namespace,
+            pod_uid=pod["metadata"]["uid"],
+            port=port,
+            token_file=self.token_file,
+            kubeconfig=self.cluster.kubeconfig,
+        )
+        self.workloads[name] = w
+        return w.start()
+
+    def restart_process(self, name: str) -> WorkloadProcess:
+        """The container restarts: same pod (uid, address), a new process with an empty store."""
+        old = self.workloads[name]
+        old.kill()
+        w = WorkloadProcess(
+            pod_name=name,
+            namespace=self.namespace,
+            pod_uid=self.uids[name],
+            port=int(old.env["GPUOBJ_AGENT_PORT"]),
+            token_file=self.token_file,
+            kubeconfig=self.cluster.kubeconfig,
+        )
+        self.workloads[name] = w
+        return w.start()
+
+    def endpoint(self, name: str) -> str:
+        return self.workloads[name].endpoint
+
+    def delete_pod(self, name: str, kill_process: bool = True) -> None:
+        if kill_process and name in self.workloads:
+            self.workloads[name].kill()
+
+        async def delete() -> None:
+            async with self.cluster.client() as kube:
+                await delete_pod(kube, self.namespace, name)
+
+        asyncio.run(delete())
+
+    def close(self) -> None:
+        for w in self.workloads.values():
+            try:
+                w.stop(timeout=30)
+            except AssertionError:
+                w.kill()
+
+
+@pytest.fixture
+def pods(gpuobj_cluster: ClusterHandle, namespace: str, token_file: Path) -> Iterator[Pods]:
+    p = Pods(gpuobj_cluster, namespace, token_file)
+    yield p
+    p.close()
+
+
+def kube(cluster: ClusterHandle, fn):
+    """Run ``await fn(kube)`` with a fresh API client (tests are synchronous)."""
+
+    async def go():
+        async with cluster.client() as client:
+            return await fn(client)
+
+    return asyncio.run(go())

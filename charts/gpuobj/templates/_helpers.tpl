@@ -89,7 +89,7 @@ Nothing on Secrets, CRDs or namespaces (kopf runs standalone with scanning disab
   resources: [gpuobjectstreams]
   verbs: [get, list, watch, patch]
 - apiGroups: [gpuobj.io]
-  resources: [gpuobjectclaims/status, gpuobjectstreams/status]
+  resources: [gpuobjects/status, gpuobjectclaims/status, gpuobjectstreams/status]
   verbs: [patch]
 - apiGroups: [""]
   resources: [pods]

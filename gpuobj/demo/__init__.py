@@ -1,0 +1,1 @@
+"""The `gpuobj demo` command: the main job a new user runs first."""

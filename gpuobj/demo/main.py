@@ -1,0 +1,380 @@
+"""`gpuobj demo`: what gpuobj does, end to end, on the embedded dev control plane, in a couple of minutes.
+
+Everything is real: etcd, kube-apiserver and kube-controller-manager on loopback, the
+operator, three workload pods (Pod objects whose status the demo sets, each a local
+process running the client library with its embedded agent), NIXL moving the bytes, and
+a Prometheus scraping it all. Then trouble on purpose: a holder pod is killed and an
+orphan is left in an agent, and the operator cleans both up. Ctrl-C or an error leaves
+no process behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import secrets
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from gpuobj import metric_names as m
+from gpuobj.dev.cluster import DEFAULT_STATE_DIR, DevCluster
+from gpuobj.kube.client import NAMESPACES, NotFound, wait_for
+from gpuobj.testing.cluster import ClusterHandle
+from gpuobj.testing.operator import OperatorProcess
+from gpuobj.testing.pods import create_agent_pod, delete_pod
+from gpuobj.testing.workload import WorkloadProcess
+
+NAMESPACE = "gpuobj-demo"
+MIB = 1 << 20
+PODS = ("producer-0", "transform-0", "consumer-0")
+
+
+class Demo:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.quick = args.quick
+        self.items = 8 if args.quick else 32
+        self.item_kib = 256 if args.quick else 1024
+        self.weights_mib = 8 if args.quick else 64
+        self.orphan_mib = 4 if args.quick else 16
+        self.leak_grace = 4 if args.quick else 10
+        self.steps = 11
+        self.step_no = 0
+        self.stack = contextlib.ExitStack()
+        self.workloads: dict[str, WorkloadProcess] = {}
+        self.report: dict[str, Any] = {"objects": 0}
+        self.started = time.time()
+        self.out = Path(args.out).resolve()
+
+    # ------------------------------------------------------------ output
+
+    @contextlib.contextmanager
+    def step(self, text: str):
+        self.step_no += 1
+        t0 = time.monotonic()
+        print(f"[{self.step_no:2d}/{self.steps}] {text} ...", flush=True)
+        yield
+        print(f"        done in {time.monotonic() - t0:.1f}s", flush=True)
+
+    def say(self, text: str) -> None:
+        print(f"        {text}", flush=True)
+
+    def show_objects(self, title: str) -> None:
+        table = self.cluster.kubectl("get", "gpuobj", "-n", NAMESPACE).stdout.rstrip() or "(no gpuobj resources)"
+        print(f"        $ kubectl get gpuobj -n {NAMESPACE}    # {title}")
+        for line in table.splitlines():
+            print(f"        {line}")
+
+    # ------------------------------------------------------------ the run
+
+    def run(self) -> int:
+        with self.stack:
+            self.bring_up()
+            self.share_weights()
+            self.pipeline()
+            self.release_weights()
+            self.kill_holder_pod()
+            self.plant_orphan()
+            self.check_dashboard()
+            self.finish()
+        return 0 if self.report.get("leaked_bytes_end") == 0 and self.report.get("wrong_items") == 0 else 1
+
+    def bring_up(self) -> None:
+        state_dir = Path(self.args.state_dir)
+        with self.step("starting the control plane (etcd, kube-apiserver, kube-controller-manager)"):
+            cluster = DevCluster(state_dir, tie_to_parent=not self.args.keep, log=self.say)
+            already = cluster.running() is not None
+            state = cluster.up()
+            if not self.args.keep and not already:
+                self.stack.callback(cluster.down, quiet=True)
+            self.cluster = ClusterHandle(cluster, state)
+        with self.step("installing the CRDs from crds/ and a fresh namespace"):
+            self.cluster.apply_crds()
+            self._fresh_namespace()
+            self.token_file = state_dir / "agent-token"
+            self.token_file.write_text(secrets.token_hex(16))
+            self.token_file.chmod(0o600)
+        with self.step("starting the operator and three workload pods"):
+            op = OperatorProcess(
+                self.cluster.kubeconfig,
+                self.token_file,
+                identity="gpuobj-operator-demo",
+                lease_namespace=NAMESPACE,
+                extra_args=[
+                    "--namespace",
+                    NAMESPACE,
+                    "--audit-interval",
+                    "1",
+                    "--leak-settle",
+                    "1",
+                    "--leak-grace",
+                    str(self.leak_grace),
+                ],
+            )
+            self.stack.callback(op.stop)
+            self.operator = op.start().wait_ready()
+            self.say(f"operator leading, metrics at {op.metrics_url}/metrics")
+            with ThreadPoolExecutor(len(PODS)) as pool:
+                for name, w in zip(PODS, pool.map(self._start_pod, PODS), strict=True):
+                    self.workloads[name] = w
+            self.say("pods: " + ", ".join(f"{n} (agent {w.endpoint})" for n, w in self.workloads.items()))
+        with self.step("starting Prometheus, scraping the operator and the agents every second"):
+            from gpuobj.observability.scrape import AGENT_JOB, OPERATOR_JOB
+            from gpuobj.testing.prometheus import Prometheus
+
+            operator_addr = self.operator.metrics_url.removeprefix("http://")  # type: ignore[union-attr]
+            agents = {w.endpoint: {"namespace": NAMESPACE, "pod": name} for name, w in self.workloads.items()}
+            self.prom = Prometheus({OPERATOR_JOB: [operator_addr], AGENT_JOB: list(agents)}, target_labels=agents)
+            self.stack.callback(self.prom.stop)
+            self.prom.start()
+            self.prom.wait_targets_up(timeout=30)
+            self.say(f"Prometheus at {self.prom.url}")
+
+    def _fresh_namespace(self) -> None:
+        async def go() -> None:
+            async with self.cluster.client() as kube:
+                with contextlib.suppress(NotFound):
+                    await kube.delete(NAMESPACES, NAMESPACE)
+                    await wait_for(kube, NAMESPACES, NAMESPACE, None, lambda o: o is None, timeout=60)
+                await kube.create(NAMESPACES, {"metadata": {"name": NAMESPACE}})
+
+        asyncio.run(go())
+
+    def _start_pod(self, name: str) -> WorkloadProcess:
+        from gpuobj.testing.workload import free_port
+
+        port = free_port()
+
+        async def create() -> dict:
+            async with self.cluster.client() as kube:
+                return await create_agent_pod(kube, NAMESPACE, name, port=port)
+
+        pod = asyncio.run(create())
+        w = WorkloadProcess(
+            pod_name=name,
+            namespace=NAMESPACE,
+            pod_uid=pod["metadata"]["uid"],
+            port=port,
+            token_file=self.token_file,
+            kubeconfig=self.cluster.kubeconfig,
+        )
+        self.stack.callback(w.kill)
+        return w.start()
+
+    def share_weights(self) -> None:
+        producer = self.workloads["producer-0"]
+        with self.step(f"producer-0 puts {self.weights_mib} MiB of weights and shares them with two readers"):
+            producer.run("from gpuobj.demo import roles")
+            producer.run(f"weights, checksum = roles.put_weights(client, {self.weights_mib})")
+            self.report["objects"] += 1
+            checksum = producer.eval("checksum")
+            fetches = []
+            for reader in ("transform-0", "consumer-0"):
+                shared = producer.eval_pickle(f"client.share(weights, {reader!r})")
+                w = self.workloads[reader]
+                w.run(f"from gpuobj.demo import roles; weights = client.adopt(load_pickle({shared!r}))")
+                fetches.append(w.eval(f"roles.read_weights(client, weights, {checksum!r})"))
+            for reader, f in zip(("transform-0", "consumer-0"), fetches, strict=True):
+                gbps = f["bytes"] / f["seconds"] / 1e9
+                self.say(
+                    f"{reader} fetched {f['bytes'] / MIB:.0f} MiB in {f['seconds'] * 1000:.1f} ms "
+                    f"({gbps:.2f} GB/s), checksum {'ok' if f['ok'] else 'WRONG'}"
+                )
+            self.report["weights_fetch_gbps"] = max(f["bytes"] / f["seconds"] / 1e9 for f in fetches)
+            self.report["weights_ok"] = all(f["ok"] for f in fetches)
+            self._wait_state("weights", lambda o: o and (o.get("status") or {}).get("references") == 3)
+            self.show_objects("the owner's reference plus two claims")
+
+    def pipeline(self) -> None:
+        n, kib = self.items, self.item_kib
+        with self.step(f"streaming {n} activations of {kib} KiB: producer-0 -> transform-0 (x*2+1) -> consumer-0"):
+            calls = {
+                "producer-0": f"roles.produce(client, 'activations', {n}, {kib})",
+                "transform-0": "roles.transform(client, 'activations', 'features')",
+                "consumer-0": "roles.consume(client, 'features')",
+            }
+            with ThreadPoolExecutor(3) as pool:
+                futures = {name: pool.submit(self.workloads[name].eval, expr, 300) for name, expr in calls.items()}
+                shown = False
+                while not all(f.done() for f in futures.values()):
+                    if not shown and futures["producer-0"].done():
+                        self.show_objects("mid-stream: items not yet consumed are alive")
+                        shown = True
+                    time.sleep(0.2)
+                results = {name: f.result() for name, f in futures.items()}
+            consumed = results["consumer-0"]
+            self.report["objects"] += 2 * n
+            self.report["wrong_items"] = consumed["wrong"]
+            rate = consumed["items"] / max(consumed["seconds"], 1e-9)
+            self.say(
+                f"consumer-0 read {consumed['items']} items in order ({rate:.0f} items/s), "
+                f"{consumed['wrong']} wrong; every item was released once read"
+            )
+            for stream in ("activations", "features"):
+                self.cluster.kubectl(
+                    "delete", "gpuobjectstream", stream, "-n", NAMESPACE, "--wait=true", "--timeout=60s"
+                )
+            self.show_objects("streams consumed and deleted")
+
+    def release_weights(self) -> None:
+        with self.step("the readers release the weights, then the producer drops its own reference"):
+            for reader in ("transform-0", "consumer-0"):
+                self.workloads[reader].run("weights.release()")
+            self._wait_state("weights", lambda o: (o.get("status") or {}).get("references") == 1)
+            self.workloads["producer-0"].run("weights.release(); del weights")
+            t0 = time.monotonic()
+            self._wait_state("weights", lambda o: o is None)
+            self.say(
+                f"out of scope: freed on producer-0 and deregistered from NIXL; GPUObject gone "
+                f"{(time.monotonic() - t0) * 1000:.0f} ms after the last release"
+            )
+
+    def kill_holder_pod(self) -> None:
+        with self.step("trouble: a pod holding the last reference to a checkpoint dies"):
+            producer, consumer = self.workloads["producer-0"], self.workloads["consumer-0"]
+            producer.run("ckpt = client.put([torch.ones(1 << 20)], name='checkpoint')")
+            self.report["objects"] += 1
+            shared = producer.eval_pickle("client.share(ckpt, 'consumer-0')")
+            consumer.run(f"ckpt = client.adopt(load_pickle({shared!r}))")
+            producer.run("ckpt.release()")
+            self._wait_state("checkpoint", lambda o: (o.get("status") or {}).get("state") == "Releasing")
+            self.show_objects("checkpoint held only by consumer-0's claim")
+            consumer.kill()
+
+            async def delete() -> None:
+                async with self.cluster.client() as kube:
+                    await delete_pod(kube, NAMESPACE, "consumer-0")
+
+            asyncio.run(delete())
+            self.say("consumer-0 deleted: kube-controller-manager garbage-collects its claim")
+            self._wait_state("checkpoint", lambda o: o is None, timeout=60)
+            self.show_objects("checkpoint freed on producer-0")
+
+    def plant_orphan(self) -> None:
+        from gpuobj.observability import queries as q
+
+        with self.step(f"trouble: {self.orphan_mib} MiB left in producer-0's agent that nothing references"):
+            producer = self.workloads["producer-0"]
+            producer.run(f"client.agent.put('o-demo-orphan', [torch.ones({self.orphan_mib} * (1 << 18))])")
+            leaked = self.prom.wait_for_series(q.LEAKED_TOTAL, lambda r: r and float(r[0]["value"][1]) > 0, timeout=60)
+            peak = float(leaked[0]["value"][1])
+            self.report["leaked_bytes_peak"] = peak
+            self.say(
+                f"Prometheus: gpuobj_leaked_bytes = {peak / MIB:.0f} MiB on {NAMESPACE}/producer-0 "
+                f"(reclaimed after the {self.leak_grace}s grace period)"
+            )
+            self.prom.wait_for_series(q.LEAKED_TOTAL, lambda r: r and float(r[0]["value"][1]) == 0, timeout=60)
+            events = json.loads(
+                self.cluster.kubectl(
+                    "get", "events", "-n", NAMESPACE, "--field-selector", "reason=LeakReclaimed", "-o", "json"
+                ).stdout
+            )
+            for event in events["items"]:
+                self.say(f"Event {event['reason']} on pod/{event['involvedObject']['name']}: {event['message']}")
+            self.say("leaked bytes back to 0")
+
+    def check_dashboard(self) -> None:
+        from gpuobj.observability.dashboard import panel_queries
+        from gpuobj.observability.queries import for_prometheus
+
+        with self.step("running every panel query of the leaked-bytes dashboard against Prometheus"):
+            window = f"{int(time.time() - self.started) + 60}s"
+            panels: dict[str, bool] = {}
+            for title, expr in panel_queries():
+                result = self.prom.query(for_prometheus(expr, rate_interval=window, range_=window))
+                panels[f"{title}: {expr}"] = bool(result)
+            self.report["panels"] = panels
+            with_data = sum(panels.values())
+            self.say(f"{with_data}/{len(panels)} panel queries returned data")
+            for name, ok in panels.items():
+                if not ok:
+                    self.say(f"no data: {name}")
+
+    def finish(self) -> None:
+        from gpuobj.observability import queries as q
+        from gpuobj.observability.plot import plot_bytes
+
+        with self.step("summary and plot"):
+            end = time.time()
+            self.out.mkdir(parents=True, exist_ok=True)
+            plot = plot_bytes(self.prom, self.started, end, self.out / "gpuobj-demo-bytes.png")
+            moved = self.prom.query(f"sum({m.AGENT_TRANSFER_BYTES})")
+            p50 = self.prom.query(f"histogram_quantile(0.5, sum by (le) ({m.FREE_LATENCY}_bucket))")
+            p99 = self.prom.query(f"histogram_quantile(0.99, sum by (le) ({m.FREE_LATENCY}_bucket))")
+            frees = self.prom.query(f"sum({m.FREES})")
+            leaked = self.prom.query(q.LEAKED_TOTAL)
+            value = lambda r: float(r[0]["value"][1]) if r else 0.0  # noqa: E731
+            self.report.update(
+                bytes_moved=value(moved),
+                frees=value(frees),
+                free_latency_p50_ms=value(p50) * 1000,
+                free_latency_p99_ms=value(p99) * 1000,
+                leaked_bytes_end=value(leaked),
+                plot=str(plot),
+            )
+        r = self.report
+        print("\nsummary")
+        print(f"  GPUObjects created      {r['objects']}")
+        print(f"  frees acknowledged      {r['frees']:.0f}")
+        print(f"  bytes moved by NIXL     {r['bytes_moved'] / MIB:.1f} MiB")
+        print(f"  weights fetch           {r['weights_fetch_gbps']:.2f} GB/s")
+        print(f"  free latency            p50 {r['free_latency_p50_ms']:.1f} ms, p99 {r['free_latency_p99_ms']:.1f} ms")
+        print(
+            f"  leaked bytes            {r['leaked_bytes_end']:.0f}"
+            f" (peak {r.get('leaked_bytes_peak', 0) / MIB:.0f} MiB, reclaimed)"
+        )
+        print(f"  dashboard panels        {sum(r['panels'].values())}/{len(r['panels'])} with data")
+        print(f"  plot                    {r['plot']}")
+        if self.args.report:
+            Path(self.args.report).write_text(json.dumps(r, indent=2))
+        if self.args.keep:
+            print("\nthe control plane keeps running:")
+            print(f'  eval "$(gpuobj dev-cluster env --state-dir {self.args.state_dir})"')
+            print(f"  kubectl get gpuobj,events -n {NAMESPACE}")
+            print(f"  gpuobj dev-cluster down --state-dir {self.args.state_dir}")
+
+    def _wait_state(self, name: str, predicate, timeout: float = 30) -> None:
+        from gpuobj.kube.client import GPUOBJECTS
+
+        async def go() -> None:
+            async with self.cluster.client() as kube:
+                await wait_for(kube, GPUOBJECTS, name, NAMESPACE, predicate, timeout=timeout)
+
+        asyncio.run(go())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpuobj demo", description=__doc__.splitlines()[0])
+    p.add_argument("--keep", action="store_true", help="leave the control plane running and print how to reach it")
+    p.add_argument("--quick", action="store_true", help="smaller objects and a shorter leak grace period")
+    p.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR), help="the dev control plane's state directory")
+    p.add_argument("--out", default="out", help="where the plot is written")
+    p.add_argument("--report", help="also write the summary as JSON to this file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
+    try:
+        return Demo(args).run()
+    except KeyboardInterrupt:
+        print("\ninterrupted: everything the demo started has been stopped", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        print(
+            f"\ndemo failed: {type(exc).__name__}: {exc}\neverything the demo started has been stopped", file=sys.stderr
+        )
+        return 1

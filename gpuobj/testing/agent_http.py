@@ -1,0 +1,40 @@
+"""Look at an agent from outside, through its documented HTTP contract (docs/agent-api.md)."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def _get(url: str, token: str | None = None, timeout: float = 10) -> bytes:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(request, timeout=timeout) as r:
+        return r.read()
+
+
+def inventory(endpoint: str, token_file: Path) -> dict:
+    return json.loads(_get(f"http://{endpoint}/v1/objects", token_file.read_text().strip()))
+
+
+def metric(endpoint: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels`` (0.0 when absent)."""
+    total = 0.0
+    for family in text_string_to_metric_families(_get(f"http://{endpoint}/metrics").decode()):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
+                total += sample.value
+    return total
+
+
+def assert_holds_nothing(endpoint: str, token_file: Path) -> None:
+    """The end of every scenario: no object, no registered byte, registrations balanced."""
+    held = inventory(endpoint, token_file)["objects"]
+    assert held == [], f"agent {endpoint} still holds {held}"
+    assert metric(endpoint, "gpuobj_agent_nixl_registered_bytes") == 0
+    registered = metric(endpoint, "gpuobj_agent_nixl_registrations_total", {"op": "register"})
+    deregistered = metric(endpoint, "gpuobj_agent_nixl_registrations_total", {"op": "deregister"})
+    assert registered == deregistered, f"{registered} registrations, {deregistered} deregistrations"
+    assert metric(endpoint, "gpuobj_agent_store_bytes") == 0
