@@ -117,7 +117,7 @@ class Prometheus:
         return path
 
     def start(self, timeout: float = 60) -> Prometheus:
-        """Start Prometheus and wait until /-/ready answers; retries once if its port was taken meanwhile."""
+        """Start Prometheus and wait until /-/ready answers; retries if its port was taken meanwhile."""
         binary = self.binary or toolchain.binary("prometheus")
         self._dir = Path(tempfile.mkdtemp(prefix="gpuobj-prometheus-"))
         config = self._write_config()
@@ -238,6 +238,26 @@ class Prometheus:
             return health if len(health) == expected and all(t["health"] == "up" for t in health) else None
 
         return self._poll(all_up, timeout, lambda: f"targets not all up: {self.targets_health()}")
+
+    # ------------------------------------------------------------ rules
+
+    def rule_health(self) -> dict[str, str]:
+        """Loaded rules by name (alert or record) -> health: "ok", "err" or "unknown" (not evaluated yet)."""
+        groups = self._api("/api/v1/rules")["groups"]
+        return {r["name"]: r.get("health", "unknown") for g in groups for r in g["rules"]}
+
+    def wait_rules_evaluated(self, timeout: float = 30) -> dict[str, str]:
+        """Wait until every loaded rule has been evaluated once; returns ``rule_health()``."""
+
+        def evaluated() -> dict[str, str] | None:
+            health = self.rule_health()
+            return health if health and "unknown" not in health.values() else None
+
+        return self._poll(evaluated, timeout, lambda: f"rules not all evaluated: {self.rule_health()}")
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """Active alerts (pending and firing), each with labels, annotations, state and value."""
+        return self._api("/api/v1/alerts")["alerts"]
 
     # ------------------------------------------------------------ queries
 

@@ -94,6 +94,14 @@ def test_every_dashboard_and_rule_query_parses_and_evaluates() -> None:
             prom.query("sum by (namespace (gpuobj_leaked_bytes)")
 
 
+def test_the_rules_file_loads_and_evaluates_in_prometheus() -> None:
+    with Prometheus({}, rule_files=[rules.OUTPUT]) as prom:
+        assert prom.wait_rules_evaluated(timeout=15) == dict.fromkeys(rules.alert_names(), "ok")
+        # Nothing is scraped: the no-leader alert is pending (its for: 5m has not passed), nothing else.
+        prom.wait_for_series('ALERTS{alertname="GPUObjectOperatorNoLeader", alertstate="pending"}', timeout=15)
+        assert [a["labels"]["alertname"] for a in prom.alerts()] == ["GPUObjectOperatorNoLeader"]
+
+
 def test_wait_for_series_is_bounded_and_reports_the_last_result() -> None:
     with Prometheus({}) as prom:
         started = time.monotonic()
