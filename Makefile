@@ -44,8 +44,10 @@ bench: setup
 	@PYTHONPATH=$(RAY_DIR) $(VENV) bench/fetch_throughput.py
 	@PYTHONPATH=$(RAY_DIR) $(VENV) bench/lifecycle.py
 
+# Regenerate the committed dashboard JSON and alert rules from Python (tests check they are current).
 dashboard: setup
 	@$(VENV) -m gpuobj.observability.dashboard --write
+	@$(VENV) -m gpuobj.observability.rules --write
 
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache

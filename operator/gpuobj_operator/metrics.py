@@ -60,8 +60,21 @@ class OperatorMetrics:
         )
         self.lost = Counter(m.LOST_OBJECTS.removesuffix("_total"), "GPUObjects that became Lost", registry=r)
         self.audits = Counter(m.AUDIT_RUNS.removesuffix("_total"), "Agent inventory audits", ["result"], registry=r)
-        self.leader = Gauge("gpuobj_operator_leader", "1 while this replica holds the leader lease", registry=r)
+        self.leader = Gauge(m.OPERATOR_LEADER, "1 while this replica holds the leader lease", registry=r)
         self._leak_series: set[tuple[str, str]] = set()
+        self._namespaces: set[str] = set()
+        # Known label values start at 0, so rate() and increase() see their first step.
+        for result in ("freed", "noop", "agent-gone", "source-lost"):
+            self.frees.labels(result)
+        self.free_failures.labels("unreachable")
+        for result in ("ok", "error"):
+            self.audits.labels(result)
+
+    def saw_namespace(self, namespace: str) -> None:
+        """Start the namespace's reclaimed-bytes counter at 0 when its first agent is audited."""
+        if namespace not in self._namespaces:
+            self._namespaces.add(namespace)
+            self.reclaimed_bytes.labels(namespace)
 
     def set_leaked(self, values: dict[tuple[str, str], int]) -> None:
         """Replace the leaked-bytes series: pods that disappeared lose their series."""

@@ -472,6 +472,7 @@ class Reconciler:
                 log.info("audit of %s/%s skipped: %s", pod.namespace, pod.name, result)
                 continue
             self.metrics.audits.labels("ok").inc()
+            self.metrics.saw_namespace(pod.namespace)
             leaked[(pod.namespace, pod.name)] = result
         self.metrics.set_leaked(leaked)
 
