@@ -26,7 +26,6 @@ __all__ = [
     "SharedRef",
     "StreamClosedError",
 ]
-__version__ = "0.1.0"
 
 _LAZY = {
     "Client": "gpuobj.client.client",

@@ -46,7 +46,8 @@ class Tool:
 
     @property
     def home(self) -> Path:
-        return TOOLCHAIN_ROOT / f"{self.name}-{self.version}"
+        recipe = int(self.extra.get("recipe", 1))
+        return TOOLCHAIN_ROOT / (f"{self.name}-{self.version}" + (f"-r{recipe}" if recipe > 1 else ""))
 
     @property
     def bin_dir(self) -> Path:
@@ -140,17 +141,7 @@ def _run(cmd: list[str], cwd: Path, label: str, env: dict[str, str]) -> str:
 def _kubernetes_requires(tool: Tool, workdir: Path, env: dict[str, str]) -> list[str]:
     """k8s.io/kubernetes replaces its staging modules with local paths, which do not apply to us:
     require every one of them at the matching v0.x.y instead."""
-    go = _go()
-    out = _run(
-        [go, "mod", "download", "-json", f"{tool.module}@{tool.version}"],
-        workdir,
-        "download k8s.io/kubernetes go.mod",
-        env,
-    )
-    gomod_path = re.search(r'"GoMod":\s*"([^"]+)"', out)
-    if not gomod_path:
-        raise ToolchainError(f"could not locate go.mod of {tool.module}@{tool.version}")
-    gomod = Path(gomod_path.group(1)).read_text()
+    gomod = _module_gomod(tool, workdir, env)
     replaced = set(re.findall(r"^\s*(k8s\.io/[\w.-]+)\s*=>\s*\./staging/", gomod, flags=re.M))
     required = re.findall(r"^\s*(k8s\.io/[\w.-]+) v0\.0\.0\s*$", gomod, flags=re.M)
     # Only what kubernetes requires: the sample-* staging modules are not all published.
@@ -160,7 +151,21 @@ def _kubernetes_requires(tool: Tool, workdir: Path, env: dict[str, str]) -> list
     return [f"{m}@{tool.extra['staging_version']}" for m in staging]
 
 
-def _ldflags(tool: Tool) -> str:
+def _module_gomod(tool: Tool, workdir: Path, env: dict[str, str]) -> str:
+    """The go.mod of the pinned module, as the module proxy serves it."""
+    out = _run(
+        [_go(), "mod", "download", "-json", f"{tool.module}@{tool.version}"],
+        workdir,
+        f"download {tool.name} go.mod",
+        env,
+    )
+    gomod_path = re.search(r'"GoMod":\s*"([^"]+)"', out)
+    if not gomod_path:
+        raise ToolchainError(f"could not locate go.mod of {tool.module}@{tool.version}")
+    return Path(gomod_path.group(1)).read_text()
+
+
+def _ldflags(tool: Tool, gomod: str = "") -> str:
     """Stamp versions so `kubectl version`, `helm version` and Prometheus report the real release."""
     if tool.name == "kubernetes":
         v = tool.version
@@ -176,7 +181,13 @@ def _ldflags(tool: Tool) -> str:
             ]
         return " ".join(["-s", "-w", *flags])
     if tool.name == "helm":
-        return f"-s -w -X helm.sh/helm/v3/internal/version.version={tool.version}"
+        # Like helm's Makefile: the Kubernetes version `helm template` assumes follows its client-go.
+        minor = re.search(r"k8s\.io/client-go v0\.(\d+)\.", gomod)
+        k8s = ""
+        if minor:
+            for pkg in ("helm.sh/helm/v3/pkg/lint/rules", "helm.sh/helm/v3/pkg/chartutil"):
+                k8s += f" -X {pkg}.k8sVersionMajor=1 -X {pkg}.k8sVersionMinor={minor.group(1)}"
+        return f"-s -w -X helm.sh/helm/v3/internal/version.version={tool.version}{k8s}"
     if tool.name == "prometheus":
         release = tool.extra.get("release", tool.version)
         return f"-s -w -X github.com/prometheus/common/version.Version={release.lstrip('v')}"
@@ -208,13 +219,14 @@ def build(tool: Tool) -> None:
     print(f"  resolving {len(requires)} module pins", flush=True)
     _run([go, "get", *requires], src, f"go get {tool.name}", env)
     _run([go, "mod", "tidy", "-e"], src, f"go mod tidy {tool.name}", env)
+    gomod = _module_gomod(tool, src, env)
     tmp_bin.mkdir()
     for pkg, name in zip(tool.packages, tool.binary_names, strict=True):
         target = f"{tool.module}/{pkg}" if pkg else tool.module
         t0 = time.monotonic()
         print(f"  go build {target} -> {name}", flush=True)
         _run(
-            [go, "build", "-v", "-trimpath", "-ldflags", _ldflags(tool), "-o", str(tmp_bin / name), target],
+            [go, "build", "-v", "-trimpath", "-ldflags", _ldflags(tool, gomod), "-o", str(tmp_bin / name), target],
             src,
             f"build {name}",
             env,
