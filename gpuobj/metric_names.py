@@ -28,3 +28,10 @@ AGENT_FREES = "gpuobj_agent_frees_total"  # counter{result=freed|noop}
 AGENT_FREE_WAIT_SECONDS = "gpuobj_agent_free_wait_seconds"  # histogram: waiting for in-flight reads
 AGENT_ERRORS = "gpuobj_agent_errors_total"  # counter{kind}
 AGENT_INFLIGHT_READS = "gpuobj_agent_inflight_reads"  # gauge
+AGENT_FREE_SECONDS = "gpuobj_agent_free_seconds"  # histogram: one free request, received -> answered
+AGENT_QUARANTINED_BYTES = "gpuobj_agent_quarantined_bytes"  # gauge: freed bytes held until their NIXL agent is fenced
+AGENT_QUARANTINE_SECONDS = "gpuobj_agent_quarantine_seconds"  # histogram: free -> memory released (fence latency)
+AGENT_NIXL_GENERATIONS = "gpuobj_agent_nixl_generations"  # gauge{state=active|sealed}: NIXL agents alive
+AGENT_NIXL_ROTATIONS = "gpuobj_agent_nixl_rotations_total"  # counter: NIXL agents replaced to fence stale readers
+AGENT_MIGRATIONS = "gpuobj_agent_migrations_total"  # counter: live objects re-registered in a newer NIXL agent
+AGENT_READ_TICKETS = "gpuobj_agent_read_tickets_total"  # counter{result=issued|ended|expired}

@@ -42,3 +42,16 @@ def gpuobj_cluster(dev_cluster: ClusterHandle) -> ClusterHandle:
     """The control plane with gpuobj's CRDs installed from crds/."""
     dev_cluster.apply_crds()
     return dev_cluster
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Keep each phase's report on the test item, so fixtures can add evidence when a test failed."""
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
+
+
+def failed(request: pytest.FixtureRequest) -> bool:
+    report = getattr(request.node, "rep_call", None)
+    return report is not None and report.failed

@@ -96,33 +96,34 @@ class Client:
         token_file: str | Path,
         host: str = "0.0.0.0",
         port: int = names.DEFAULT_AGENT_PORT,
-        advertise_host: str | None = None,
         kubeconfig: str | Path | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> Client:
-        """Start the embedded agent in this process and connect to the API server."""
+        """Start the embedded agent in this process and connect to the API server.
+
+        With a wildcard ``host`` the agent advertises $GPUOBJ_POD_IP (the downward API's
+        status.podIP), so other pods reach it at the pod's address.
+        """
         from gpuobj_agent.runtime import AgentRuntime
 
         agent = AgentRuntime(
-            pod_name=pod_name,
-            pod_namespace=namespace,
-            pod_uid=pod_uid,
-            host=host,
-            port=port,
-            token_file=str(token_file),
-            advertise_host=advertise_host,
+            pod_name=pod_name, namespace=namespace, pod_uid=pod_uid, host=host, port=port, token_file=str(token_file)
         )
         agent.start()
-        return cls(
-            pod_name=pod_name,
-            namespace=namespace,
-            pod_uid=pod_uid,
-            agent=agent,
-            kubeconfig=kubeconfig,
-            token_file=token_file,
-            timeout=timeout,
-            owns_agent=True,
-        )
+        try:
+            return cls(
+                pod_name=pod_name,
+                namespace=namespace,
+                pod_uid=pod_uid,
+                agent=agent,
+                kubeconfig=kubeconfig,
+                token_file=token_file,
+                timeout=timeout,
+                owns_agent=True,
+            )
+        except BaseException:
+            agent.stop()
+            raise
 
     # ------------------------------------------------------------ sync facade
 

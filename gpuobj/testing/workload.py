@@ -37,14 +37,13 @@ def dump_pickle(value):
     return base64.b64encode(pickle.dumps(value)).decode()
 
 def reply(**values):
-    sys.__stdout__.write("@@" + json.dumps(values) + "
-")
+    sys.__stdout__.write("@@" + json.dumps(values) + "\n")
     sys.__stdout__.flush()
 
 client = gpuobj.Client.connect(
     pod_name=os.environ["GPUOBJ_POD_NAME"], namespace=os.environ["GPUOBJ_POD_NAMESPACE"],
     pod_uid=os.environ["GPUOBJ_POD_UID"], token_file=os.environ["GPUOBJ_TOKEN_FILE"],
-    host="127.0.0.1", port=int(os.environ["GPUOBJ_AGENT_PORT"]), advertise_host="127.0.0.1",
+    host="127.0.0.1", port=int(os.environ["GPUOBJ_AGENT_PORT"]),
     kubeconfig=os.environ["KUBECONFIG"],
 )
 scope = {"client": client, "torch": torch, "gpuobj": gpuobj, "load_pickle": load_pickle, "dump_pickle": dump_pickle}
@@ -86,7 +85,6 @@ class WorkloadError(AssertionError):
 class WorkloadProcess:
     def __init__(
         self,
-        script: str,
         *,
         pod_name: str,
         namespace: str,

@@ -222,7 +222,8 @@ class Reconciler:
 
     async def _do_Materialize(self, a: Materialize) -> None:
         obj = self.ledger.objects[a.key]
-        spec: dict = {"tensors": obj.tensors}
+        # The agent's layout: shape, dtype, device (a tensor's optional name is the API's alone).
+        spec: dict = {"tensors": [{k: t[k] for k in ("shape", "dtype", "device") if k in t} for t in obj.tensors]}
         if obj.key_name:
             spec["key"] = obj.key_name
         if obj.stream:
@@ -469,7 +470,7 @@ class Reconciler:
         for pod, result in zip(pods, results, strict=True):
             if isinstance(result, BaseException):
                 self.metrics.audits.labels("error").inc()
-                log.info("audit of %s/%s skipped: %s", pod.namespace, pod.name, result)
+                log.debug("audit of %s/%s skipped: %s", pod.namespace, pod.name, result)
                 continue
             self.metrics.audits.labels("ok").inc()
             self.metrics.saw_namespace(pod.namespace)

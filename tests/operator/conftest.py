@@ -14,6 +14,7 @@ from gpuobj.testing.cluster import ClusterHandle
 from gpuobj.testing.operator import OperatorProcess
 from gpuobj.testing.pods import create_agent_pod, delete_pod
 from gpuobj.testing.workload import WorkloadProcess, free_port
+from tests.conftest import failed
 
 # Fast enough for tests; the production defaults are in operator/gpuobj_operator/main.py.
 FAST_ARGS = [
@@ -59,9 +60,14 @@ def start_operator(
 
 
 @pytest.fixture
-def operator(gpuobj_cluster: ClusterHandle, token_file: Path, namespace: str) -> Iterator[OperatorProcess]:
+def operator(
+    request: pytest.FixtureRequest, gpuobj_cluster: ClusterHandle, token_file: Path, namespace: str
+) -> Iterator[OperatorProcess]:
     op = start_operator(gpuobj_cluster, token_file, namespace).wait_ready()
     yield op
+    if failed(request):
+        print(f"\n--- operator output ---\n{op.output()}")
+        print(gpuobj_cluster.kubectl("get", "gpuobj,pods,events", "-n", namespace, "-o", "wide", check=False).stdout)
     rc = op.stop()
     assert rc == 0, f"operator exited {rc}:\n{op.output()}"
 
@@ -133,9 +139,14 @@ class Pods:
 
 
 @pytest.fixture
-def pods(gpuobj_cluster: ClusterHandle, namespace: str, token_file: Path) -> Iterator[Pods]:
+def pods(
+    request: pytest.FixtureRequest, gpuobj_cluster: ClusterHandle, namespace: str, token_file: Path
+) -> Iterator[Pods]:
     p = Pods(gpuobj_cluster, namespace, token_file)
     yield p
+    if failed(request):
+        for name, w in p.workloads.items():
+            print(f"\n--- workload {name} output ---\n{w.output()}")
     p.close()
 
 

@@ -31,6 +31,10 @@ def state(obj: dict | None) -> str | None:
     return ((obj or {}).get("status") or {}).get("state")
 
 
+def refs(obj: dict | None) -> int | None:
+    return ((obj or {}).get("status") or {}).get("references")
+
+
 def assert_api_empty(cluster: ClusterHandle, namespace: str) -> None:
     objects = kube(cluster, lambda k: k.list(GPUOBJECTS, namespace))["items"]
     claims = kube(cluster, lambda k: k.list(CLAIMS, namespace))["items"]
@@ -51,7 +55,7 @@ def test_put_share_fetch_release_frees_on_the_source(
     reader.run(f"h = client.adopt(load_pickle({shared!r})); got = client.fetch(h)[0]")
     assert reader.eval(f"bool(torch.equal(got, {ARANGE.format(n=1 << 18)}))")
     ready = wait_object(
-        gpuobj_cluster, namespace, "weights", lambda o: state(o) == "Ready" and o["status"]["references"] == 2
+        gpuobj_cluster, namespace, "weights", lambda o: state(o) == "Ready" and refs(o) == 2
     )
     assert ready["status"]["bytes"] == 4 << 18 and ready["status"]["claims"] == 1
 
@@ -83,7 +87,7 @@ def test_kubectl_apply_of_the_examples_and_delete_waiting_for_claims(
     trainer.run(f"client.publish({declared['spec']['key']!r}, [{make}])")
     k = gpuobj_cluster.kubectl
     k("apply", "-n", namespace, "-f", str(examples / "gpuobject.yaml"), "-f", str(examples / "gpuobjectclaim.yaml"))
-    wait_object(gpuobj_cluster, namespace, "weights", lambda o: state(o) == "Ready" and o["status"]["references"] == 2)
+    wait_object(gpuobj_cluster, namespace, "weights", lambda o: state(o) == "Ready" and refs(o) == 2)
     table = k("get", "gpuobj", "-n", namespace).stdout
     assert "weights" in table and "Ready" in table and "trainer-0" in table, table
     claim = kube(gpuobj_cluster, lambda c: c.get(CLAIMS, "weights-reader", namespace))
