@@ -16,6 +16,7 @@ import atexit
 import contextlib
 import logging
 import queue
+import threading
 import uuid
 import weakref
 from collections.abc import Sequence
@@ -38,6 +39,24 @@ DEFAULT_TIMEOUT = 60.0
 
 def _short_id() -> str:
     return uuid.uuid4().hex
+
+
+def _at_shutdown(fn) -> None:
+    """Run ``fn`` when the interpreter starts shutting down, before thread pools refuse work.
+
+    Plain atexit handlers run after concurrent.futures has shut its executors down, when
+    asyncio's run_in_executor (and so an agent's NIXL calls) can no longer be used. Threading's
+    own exit hooks run first, in reverse order of registration, so a hook registered now runs
+    before the executors' (registered when concurrent.futures was imported). Falls back to atexit.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        atexit.register(fn)
+        return
+    try:
+        register(fn)
+    except RuntimeError:  # already shutting down
+        atexit.register(fn)
 
 
 def layout_of(tensor: Any) -> TensorLayout:
@@ -78,7 +97,7 @@ class Client:
         self._live: weakref.WeakSet[ObjectRef] = weakref.WeakSet()
         self._release_task = self._loop.submit(self._release_worker())
         self._closed = False
-        atexit.register(self.close)
+        _at_shutdown(self.close)
 
     @staticmethod
     async def _make_kube(config: KubeConfig) -> KubeClient:

@@ -78,6 +78,8 @@ def test_seed_003_late_reports_failed_writes_and_stream_deletion_leave_nothing(
     producer.run("for i in range(5): w.emit([torch.full((64,), float(i))])")
     consumer.run("r = iter(client.read_stream('tokens')); first = [float(next(r)[0][0]) for _ in range(3)]")
     assert consumer.eval("first") == [0.0, 1.0, 2.0]
+    for consumed in range(3):  # released once read, then freed
+        wait_object(gpuobj_cluster, namespace, f"tokens-{consumed}", lambda o: o is None)
     # A report of item 1 arriving after item 1 was consumed (a producer retrying its create):
     late = producer.eval(
         "client.object_body('tokens-1', 'o-late-report', [gpuobj.client.handles.TensorLayout((64,), 'float32', 'cpu')],"
