@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from gpuobj import names
 from gpuobj.client.errors import StreamClosedError
 from gpuobj.client.handles import ObjectAddress, TensorLayout
-from gpuobj.kube.client import GPUOBJECTS, STREAMS, Conflict, Gone, NotFound
+from gpuobj.kube.client import GPUOBJECTS, STREAMS, Conflict, Gone, NotFound, wait_for
 
 if TYPE_CHECKING:
     from gpuobj.client.client import Client
@@ -138,7 +138,21 @@ class StreamReader:
 
     async def aiter(self) -> AsyncIterator[list]:
         if self.position is None:
-            self.position = int(((await self._stream()).get("status") or {}).get("consumed", 0))
+            # The producer may not have created the stream yet: wait for it (bounded).
+            try:
+                stream = await wait_for(
+                    self.client._kube,
+                    STREAMS,
+                    self.name,
+                    self.client.namespace,
+                    lambda o: o is not None,
+                    timeout=self.item_timeout,
+                )
+            except TimeoutError as exc:
+                raise StreamClosedError(
+                    f"stream {self.client.namespace}/{self.name} did not appear within {self.item_timeout:.0f}s"
+                ) from exc
+            self.position = int(((stream or {}).get("status") or {}).get("consumed", 0))
         while True:
             item, ended = await self._next_item(self.position)
             if ended:

@@ -135,6 +135,7 @@ class Demo:
             self.stack.callback(self.prom.stop)
             self.prom.start()
             self.prom.wait_targets_up(timeout=30)
+            self.observed_from = time.time()
             self.say(f"Prometheus at {self.prom.url}")
 
     def _fresh_namespace(self) -> None:
@@ -304,7 +305,7 @@ class Demo:
         with self.step("summary and plot"):
             end = time.time()
             self.out.mkdir(parents=True, exist_ok=True)
-            plot = plot_bytes(self.prom, self.started, end, self.out / "gpuobj-demo-bytes.png")
+            plot = plot_bytes(self.prom, self.observed_from, end, self.out / "gpuobj-demo-bytes.png")
             moved = self.prom.query(f"sum({m.AGENT_TRANSFER_BYTES})")
             p50 = self.prom.query(f"histogram_quantile(0.5, sum by (le) ({m.FREE_LATENCY}_bucket))")
             p99 = self.prom.query(f"histogram_quantile(0.99, sum by (le) ({m.FREE_LATENCY}_bucket))")
