@@ -1,0 +1,208 @@
+"""One agent, assembled: store, fencer, fetcher and control server on one event loop.
+
+Why a separate class from the runtime: the standalone process runs it on its main
+thread's loop (signals, `asyncio.run`), the embedded runtime on a private thread's loop;
+both start and stop it the same way. Startup creates the first NIXL agents (about half a
+second the first time in a process); shutdown frees everything, balances registrations
+and destroys every NIXL agent before it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from aiohttp import web
+
+from gpuobj_agent.auth import TokenFile
+from gpuobj_agent.buffers import LandingPool
+from gpuobj_agent.config import AgentConfig
+from gpuobj_agent.fencing import Fencer
+from gpuobj_agent.fetch import Fetcher
+from gpuobj_agent.metrics import AgentMetrics
+from gpuobj_agent.nixl_transport import NixlAgent
+from gpuobj_agent.server import build_app
+from gpuobj_agent.store import ObjectStore, _iso
+
+log = logging.getLogger(__name__)
+
+
+class Agent:
+    """The per-pod agent. Create, `await start()`, use, `await stop()`; all on one event loop."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        tokens: TokenFile | None = None,
+        extra_routes: Callable[[web.Application], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.incarnation = secrets.token_hex(8)
+        self.started_wall = time.time()
+        if tokens is None:
+            if not config.token_file:
+                raise ValueError("a token file is required (--token-file or $GPUOBJ_TOKEN_FILE)")
+            tokens = TokenFile(config.token_file)
+        self.tokens = tokens
+        self.base_name = config.nixl_base_name(self.incarnation)
+        self._control = ThreadPoolExecutor(1, thread_name_prefix="gpuobj-nixl-control")
+        self._lifecycle = ThreadPoolExecutor(1, thread_name_prefix="gpuobj-nixl-lifecycle")
+        self._transfers = ThreadPoolExecutor(max(1, config.transfer_threads), thread_name_prefix="gpuobj-nixl-xfer")
+        self.metrics = AgentMetrics(lambda: self.store.levels())
+        self.store = ObjectStore(
+            config, self.metrics, base_name=self.base_name, incarnation=self.incarnation, control=self._control
+        )
+        self.fencer = Fencer(
+            self.store, config, self.metrics, lifecycle=self._lifecycle, agent_factory=self._new_nixl_agent
+        )
+        self.fetcher: Fetcher | None = None
+        self.pool: LandingPool | None = None
+        self._reader: NixlAgent | None = None
+        self._trim_task: asyncio.Task | None = None
+        self._extra_routes = extra_routes
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+        self._stopped = False
+
+    def _new_nixl_agent(self, name: str) -> NixlAgent:
+        return NixlAgent(name, progress_thread=True, progress_delay_us=self.config.progress_delay_us)
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.config.advertise_host()}:{self.port}"
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        await self.fencer.start()
+        # The reader agent never exposes memory (no one gets its metadata), so it is never rotated;
+        # its progress comes from our own polling during reads.
+        self._reader = await loop.run_in_executor(
+            self._lifecycle, lambda: NixlAgent(f"{self.base_name}.r", progress_thread=False)
+        )
+        self.pool = LandingPool(self._reader, max_idle_bytes=self.config.landing_idle_bytes)
+        self.fetcher = Fetcher(
+            self._reader,
+            name=self.base_name,
+            transfers=self._transfers,
+            metrics=self.metrics,
+            default_timeout=self.config.fetch_timeout,
+            pool=self.pool,
+        )
+        await self.fetcher.start()
+        self.store.start_pump()
+        self._trim_task = asyncio.create_task(self._trim(), name="gpuobj-landing-trim")
+        app = build_app(self, self._extra_routes)
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, shutdown_timeout=self.config.shutdown_grace
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+        log.info("gpuobj agent %s listening on %s", self.base_name, self.endpoint)
+
+    async def stop(self) -> None:
+        """Free everything, balance registrations, destroy NIXL agents; safe to call twice."""
+        if self._stopped:
+            return
+        self._stopped = True
+        store = self.store
+        store.closing = True
+        if self._runner is not None:
+            await self._runner.cleanup()  # stop serving first: nothing new can start
+        if self._trim_task is not None:
+            self._trim_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._trim_task
+        if self.fetcher is not None:
+            await self.fetcher.close()
+        if not await store.wait_tickets(lambda: store.tickets.inflight() == 0, self.config.shutdown_grace):
+            log.warning("stopping with %d read(s) still in flight", store.tickets.inflight())
+        await store.stop_pump()
+        for obj in list(store.objects.values()):
+            await store._release(obj)
+        await self.fencer.close()
+        self._transfers.shutdown(wait=True)  # no read is running when the reader agent goes
+        if self.pool is not None:
+            self.pool.close()
+        if self._reader is not None:
+            await asyncio.get_running_loop().run_in_executor(self._lifecycle, self._reader.close)
+        for pool in (self._control, self._lifecycle):
+            pool.shutdown(wait=True)
+        led = store.ledger
+        if not self.balanced():
+            log.error(
+                "registrations do not balance at shutdown: %d registered, %d deregistered",
+                led.registrations,
+                led.deregistrations,
+            )
+        else:
+            log.info("stopped: %d registrations, all deregistered", led.registrations)
+
+    async def _trim(self) -> None:
+        while True:
+            await asyncio.sleep(5.0)
+            if self.pool is not None:
+                await asyncio.get_running_loop().run_in_executor(self._transfers, self.pool.trim)
+
+    def balanced(self) -> bool:
+        """Every NIXL registration this agent made (objects, fetch buffers, landing pool) was undone."""
+        reader, pool = self._reader, self.pool
+        return (
+            self.store.ledger.balanced()
+            and (reader is None or reader.local_registrations == reader.local_deregistrations)
+            and (pool is None or pool.registrations == pool.deregistrations)
+        )
+
+    # -- views -------------------------------------------------------------------------
+    def identity(self) -> dict[str, Any]:
+        return {
+            "pod": self.config.pod_name,
+            "namespace": self.config.namespace,
+            "podUID": self.config.pod_uid,
+            "incarnation": self.incarnation,
+        }
+
+    def info(self) -> dict[str, Any]:
+        active = self.store.gens.active
+        return {
+            **self.identity(),
+            "nixlAgent": active.name if active else None,
+            "nixlAgents": self.store.gens.live_names(),
+            "startedAt": _iso(self.started_wall),
+            "endpoint": self.endpoint,
+        }
+
+    def inventory(self) -> dict[str, Any]:
+        return {**self.identity(), "objects": self.store.inventory_objects()}
+
+    def stats(self) -> dict[str, Any]:
+        """Counts a test asserts on at the end: nothing held, everything balanced."""
+        store = self.store
+        reader = self._reader
+        return {
+            "objects": len(store.objects),
+            "storeBytes": sum(o.nbytes for o in store.objects.values()),
+            "registrations": store.ledger.registrations,
+            "deregistrations": store.ledger.deregistrations,
+            "registeredRegions": store.ledger.total(),
+            "readerRegistrations": reader.local_registrations if reader else 0,
+            "readerDeregistrations": reader.local_deregistrations if reader else 0,
+            # Landing buffers stay registered while idle (a bounded cache); at stop all are deregistered.
+            "landingBuffersInUse": self.pool.in_use if self.pool else 0,
+            "landingIdleBytes": self.pool.idle_bytes if self.pool else 0,
+            "landingRegistrations": self.pool.registrations if self.pool else 0,
+            "landingDeregistrations": self.pool.deregistrations if self.pool else 0,
+            "inflightReads": store.tickets.inflight(),
+            "quarantinedBytes": store.quarantine.bytes,
+            "generations": len(store.gens),
+            "rotations": store.gens.retired_count,
+            "cachedRemoteAgents": self.fetcher.cached_agents if self.fetcher else 0,
+        }

@@ -1,0 +1,67 @@
+"""Agent configuration: pod identity, where to listen, and the bounds on every wait.
+
+Why one dataclass: the standalone CLI, the embedded runtime and the tests build the same
+thing, and each value (flag, env var, default) is spelled once here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from gpuobj import names
+
+POD_NAME_ENV = "GPUOBJ_POD_NAME"
+POD_NAMESPACE_ENV = "GPUOBJ_POD_NAMESPACE"
+POD_UID_ENV = "GPUOBJ_POD_UID"
+POD_IP_ENV = "GPUOBJ_POD_IP"
+HOST_ENV = "GPUOBJ_AGENT_HOST"
+PORT_ENV = "GPUOBJ_AGENT_PORT"
+
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+@dataclass
+class AgentConfig:
+    pod_name: str = field(default_factory=lambda: os.environ.get(POD_NAME_ENV, "") or os.uname().nodename)
+    namespace: str = field(default_factory=lambda: os.environ.get(POD_NAMESPACE_ENV, "default"))
+    pod_uid: str = field(default_factory=lambda: os.environ.get(POD_UID_ENV, ""))
+    host: str = field(default_factory=lambda: os.environ.get(HOST_ENV, "0.0.0.0"))
+    port: int = field(default_factory=lambda: int(os.environ.get(PORT_ENV, names.DEFAULT_AGENT_PORT)))
+    token_file: str | None = field(default_factory=lambda: os.environ.get(names.TOKEN_ENV) or None)
+    # Seconds a free waits for in-flight reads of its object before answering 503.
+    free_wait_timeout: float = 30.0
+    # A read ticket counts as in flight for read_lease seconds plus its bytes at lease_bytes_per_second,
+    # unless ended first: a crashed reader holds a free back that long at most.
+    read_lease: float = 10.0
+    lease_bytes_per_second: float = float(256 << 20)
+    # Longest time freed memory that a reader saw waits before its NIXL agent is rotated out:
+    # for young objects (put since the last rotation), and for long-lived (tenured) ones.
+    fence_interval: float = 0.25
+    tenured_fence_interval: float = 1.0
+    # Rotate at once (without waiting for fence_interval) when this many freed bytes wait.
+    quarantine_high_bytes: int = 64 << 20
+    # UCX progress thread poll timeout in microseconds (see nixl_transport.py).
+    progress_delay_us: int = 1000
+    # Default bound on one fetch (ticket, transfer, end).
+    fetch_timeout: float = 120.0
+    transfer_threads: int = 2
+    # Idle landing buffers (registered, pre-faulted CPU memory for fetches) kept for reuse.
+    landing_idle_bytes: int = 512 << 20
+    shutdown_grace: float = 5.0
+    # Largest object (bytes) a declared PUT may allocate.
+    max_object_bytes: int = 1 << 40
+
+    def lease_for(self, nbytes: int) -> float:
+        return self.read_lease + nbytes / self.lease_bytes_per_second
+
+    def advertise_host(self) -> str:
+        """The host others use to reach this agent (a wildcard bind advertises the pod IP)."""
+        if self.host in ("0.0.0.0", "::", ""):
+            return os.environ.get(POD_IP_ENV, "127.0.0.1")
+        return self.host
+
+    def nixl_base_name(self, incarnation: str) -> str:
+        """NIXL agent names are unique per pod and incarnation, so no two agents anywhere collide."""
+        return "gpuobj." + ".".join(_SAFE.sub("_", p) for p in (self.namespace, self.pod_name, incarnation[:12]))

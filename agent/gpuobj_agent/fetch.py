@@ -1,0 +1,337 @@
+"""Fetch: read another agent's object into new local tensors with one-sided NIXL READs.
+
+Why the steps are what they are:
+1. Take a read ticket from the source (`POST /v1/objects/{id}/reads`). It carries the
+   NIXL metadata of just this object's regions, and while it lives the source will not
+   free the object, so our readers are never stale. A freed or unknown object is a clean
+   404 here, before any transfer; an unreachable source is a clean connection error.
+2. Load the metadata into our reader NIXL agent (cached per source; agents the source
+   reports retired, or that disconnected, are dropped) and READ on a transfer thread, so
+   the event loop (and the control server on it) never waits for data (seed 002). CPU
+   destinations are carved from registered, pre-faulted landing buffers (buffers.py).
+   Every wait has a deadline; cancellation aborts the transfer.
+3. End the ticket: the READ carries a note NIXL delivers to the source once the data
+   was read, which ends it there (no second request). If the read finished well inside
+   its lease the bytes are good no matter when the source hears of it; otherwise we ask
+   the source (DELETE) whether the ticket was still valid, and discard the bytes if it
+   was not. A fetch never returns bytes the source may have released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+import torch
+
+from gpuobj_agent.buffers import LandingPool
+from gpuobj_agent.errors import AgentError, BadRequest, FetchError, ObjectGone, SourceUnavailable, TransportError
+from gpuobj_agent.layouts import TensorLayout, normalize_device
+from gpuobj_agent.metrics import AgentMetrics
+from gpuobj_agent.nixl_transport import NixlAgent, Span
+from gpuobj_agent.store import READ_END_PREFIX
+
+log = logging.getLogger(__name__)
+
+_DISCONNECT = ("REMOTE_DISCONNECT",)
+
+
+def _span(item: Any) -> Span | None:
+    if item is None:
+        return None
+    if (
+        not isinstance(item, list)
+        or len(item) != 4
+        or item[0] not in ("DRAM", "VRAM")
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in item[1:])
+    ):
+        raise FetchError(f"source sent a malformed span {item!r}")
+    return Span(item[0], item[1], item[2], item[3])
+
+
+class Fetcher:
+    """One reader NIXL agent, an HTTP session, and the cache of sources' NIXL agents."""
+
+    def __init__(
+        self,
+        reader: NixlAgent,
+        *,
+        name: str,
+        transfers: Executor,
+        metrics: AgentMetrics,
+        default_timeout: float,
+        pool: LandingPool,
+    ) -> None:
+        self.reader = reader
+        self.pool = pool
+        self.name = name
+        self._transfers = transfers
+        self.metrics = metrics
+        self.default_timeout = default_timeout
+        self._session: aiohttp.ClientSession | None = None
+        self._sources: dict[str, tuple[str, set[str]]] = {}  # endpoint -> (incarnation, loaded agent names)
+        self._enders: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256, force_close=False))
+
+    async def close(self, timeout: float = 5.0) -> None:
+        if self._enders:
+            await asyncio.wait(list(self._enders), timeout=timeout)
+        for task in list(self._enders):
+            task.cancel()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        names = [n for _, loaded in self._sources.values() for n in loaded]
+        self._sources.clear()
+        if names:
+            await asyncio.get_running_loop().run_in_executor(self._transfers, self._forget, names)
+
+    def _forget(self, names: Sequence[str]) -> None:
+        for name in names:
+            self.reader.forget_remote(name)
+
+    @property
+    def cached_agents(self) -> int:
+        return sum(len(loaded) for _, loaded in self._sources.values())
+
+    # -- fetch -------------------------------------------------------------------------
+    async def fetch(
+        self,
+        endpoint: str,
+        object_id: str,
+        *,
+        device: str = "cpu",
+        token: str | None = None,
+        timeout: float | None = None,
+    ) -> list[torch.Tensor]:
+        """The object's tensors, newly allocated on `device`; raises FetchError (or a subclass) on failure."""
+        started = time.monotonic()
+        deadline = started + (timeout if timeout is not None else self.default_timeout)
+        try:
+            target = normalize_device(device)
+        except BadRequest as exc:
+            raise FetchError(str(exc)) from None
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        ticket = await self._request(
+            "POST",
+            endpoint,
+            f"/v1/objects/{quote(object_id, safe='')}/reads",
+            deadline,
+            headers,
+            {"reader": self.name},
+            object_id=object_id,
+        )
+        read_id = ticket.get("readId")
+        notified = False
+        ok = False
+        try:
+            tensors, notified = await self._read(endpoint, ticket, target, deadline)
+            ok = True
+        finally:
+            elapsed = time.monotonic() - started
+            lease = float(ticket.get("leaseSeconds") or 0)
+            if isinstance(read_id, str):
+                if not ok or elapsed < lease / 2:
+                    # Well inside the lease, the bytes are good whenever the source hears of the end;
+                    # NIXL already told it if `notified`, else say so over HTTP in the background.
+                    if not notified:
+                        self._end_later(endpoint, read_id, headers)
+                else:
+                    end = await self._request(
+                        "DELETE",
+                        endpoint,
+                        f"/v1/reads/{quote(read_id, safe='')}",
+                        max(deadline, time.monotonic() + 10),
+                        headers,
+                        None,
+                    )
+                    if not end.get("valid"):
+                        self.metrics.error("fetch_lease_expired")
+                        raise FetchError(
+                            f"read of {object_id} from {endpoint} outlived its {lease:g}s lease; "
+                            "the bytes were discarded"
+                        )
+        nbytes = sum(t.nbytes for t in tensors)
+        self.metrics.transfer_bytes.labels(direction="in").inc(nbytes)
+        self.metrics.transfer_seconds.labels(direction="in").observe(time.monotonic() - started)
+        return tensors
+
+    async def _read(
+        self, endpoint: str, ticket: dict[str, Any], device: str, deadline: float
+    ) -> tuple[list[torch.Tensor], bool]:
+        """Allocate, load the metadata and READ (on a transfer thread); returns (tensors, end notified)."""
+        try:
+            layouts = [TensorLayout.from_json(t) for t in ticket["tensors"]]
+            spans = [_span(s) for s in ticket["spans"]]
+            agent = ticket["nixlAgent"]
+            metadata = base64.b64decode(ticket["agentMetadata"]) if any(spans) else b""
+            live = set(ticket.get("liveAgents") or ())
+            incarnation = str(ticket.get("incarnation") or "")
+            read_id = str(ticket["readId"])
+        except (KeyError, TypeError, ValueError, AgentError) as exc:
+            raise FetchError(f"source {endpoint} sent a malformed read ticket: {exc}") from None
+        if len(layouts) != len(spans) or not isinstance(agent, str):
+            raise FetchError(f"source {endpoint} sent a malformed read ticket")
+        for s, layout in zip(spans, layouts, strict=True):
+            if s is not None and s.nbytes != layout.nbytes:
+                raise FetchError(f"source {endpoint} sent a span of {s.nbytes} bytes for a {layout.nbytes}-byte tensor")
+        forget = self._note_source(endpoint, incarnation, live, agent if any(spans) else None)
+        abort = threading.Event()
+        loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(
+            self._transfers,
+            self._read_sync,
+            agent,
+            metadata,
+            spans,
+            layouts,
+            device,
+            deadline,
+            abort,
+            forget,
+            READ_END_PREFIX + read_id.encode(),
+        )
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            abort.set()  # the thread gives up at its next poll; its tensors stay referenced until then
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(30):
+                    await asyncio.shield(job)
+            raise
+        except TransportError as exc:
+            self.metrics.error("fetch_transfer")
+            text = str(exc)
+            if any(word in text for word in _DISCONNECT):
+                self._drop_agent(endpoint, agent)
+                raise SourceUnavailable(
+                    f"NIXL agent {agent} of {endpoint} went away during read {read_id}: {text}"
+                ) from None
+            raise FetchError(f"reading from {endpoint} failed: {text}") from None
+
+    def _read_sync(
+        self,
+        agent: str,
+        metadata: bytes,
+        spans: list[Span | None],
+        layouts: list[TensorLayout],
+        device: str,
+        deadline: float,
+        abort: threading.Event,
+        forget: list[str],
+        notify: bytes,
+    ) -> tuple[list[torch.Tensor], bool]:
+        """On a transfer thread: destination, retired agents dropped, metadata loaded, READ."""
+        self._forget(forget)
+        try:
+            if device == "cpu":
+                tensors, _ = self.pool.carve(layouts)  # registered, pre-faulted landing memory
+                registered = True
+            else:
+                tensors = [layout.allocate(device=device) for layout in layouts]
+                registered = False
+        except (RuntimeError, MemoryError) as exc:
+            raise FetchError(f"allocating the destination on {device} failed: {exc}") from exc
+        pairs = [(s, t) for s, t in zip(spans, tensors, strict=True) if s is not None]
+        if not pairs:
+            return tensors, False
+        self.reader.load_remote(metadata)
+        notified = self.reader.read(
+            agent,
+            [s for s, _ in pairs],
+            [t for _, t in pairs],
+            deadline=deadline,
+            abort=abort,
+            registered=registered,
+            notify=notify,
+        )
+        return tensors, notified
+
+    def _note_source(self, endpoint: str, incarnation: str, live: set[str], agent: str | None) -> list[str]:
+        """Update the cache; return agents to forget (retired, or of an earlier incarnation)."""
+        old_inc, loaded = self._sources.get(endpoint, (incarnation, set()))
+        if old_inc != incarnation:
+            forget, loaded = list(loaded), set()
+        else:
+            forget = [n for n in loaded if n not in live]
+            loaded = {n for n in loaded if n in live}
+        if agent is not None:
+            loaded.add(agent)
+        self._sources[endpoint] = (incarnation, loaded)
+        return forget
+
+    def _drop_agent(self, endpoint: str, agent: str) -> None:
+        entry = self._sources.get(endpoint)
+        if entry is not None:
+            entry[1].discard(agent)
+        self._transfers.submit(self.reader.forget_remote, agent)
+
+    def forget_source(self, endpoint: str) -> None:
+        """The source went away: drop every agent of it we cached."""
+        entry = self._sources.pop(endpoint, None)
+        if entry and entry[1]:
+            self._transfers.submit(self._forget, list(entry[1]))
+
+    # -- HTTP --------------------------------------------------------------------------
+    async def _request(
+        self,
+        method: str,
+        endpoint: str,
+        path: str,
+        deadline: float,
+        headers: dict[str, str],
+        body: dict | None,
+        *,
+        object_id: str | None = None,
+    ) -> dict[str, Any]:
+        if self._session is None:
+            raise FetchError("the fetcher is not started")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise FetchError(f"fetch from {endpoint} timed out")
+        url = f"http://{endpoint}{path}"
+        try:
+            async with self._session.request(
+                method, url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=remaining)
+            ) as resp:
+                try:
+                    data = await resp.json(content_type=None)
+                except (ValueError, aiohttp.ContentTypeError):
+                    data = None
+                if resp.status == 200 and isinstance(data, dict):
+                    return data
+                message = data.get("error") if isinstance(data, dict) else None
+                if resp.status == 404 and object_id is not None:
+                    raise ObjectGone(object_id, endpoint)
+                if resp.status == 401:
+                    raise FetchError(f"{endpoint} refused the token (401)")
+                raise FetchError(f"{method} {path} on {endpoint} failed: {resp.status} {message or ''}".strip())
+        except (aiohttp.ClientConnectionError, OSError) as exc:
+            self.forget_source(endpoint)
+            raise SourceUnavailable(f"source agent {endpoint} is unreachable: {exc}") from None
+        except TimeoutError:
+            raise FetchError(f"{method} {path} on {endpoint} timed out") from None
+
+    def _end_later(self, endpoint: str, read_id: str, headers: dict[str, str]) -> None:
+        async def end() -> None:
+            try:
+                await self._request(
+                    "DELETE", endpoint, f"/v1/reads/{quote(read_id, safe='')}", time.monotonic() + 10, headers, None
+                )
+            except AgentError as exc:  # the lease ends it anyway
+                log.debug("ending read %s on %s: %s", read_id, endpoint, exc)
+
+        task = asyncio.get_running_loop().create_task(end())
+        self._enders.add(task)
+        task.add_done_callback(self._enders.discard)

@@ -1,0 +1,148 @@
+"""`gpuobj agent`: the standalone agent process (tests, the demo, sidecar deployments).
+
+Why its own entry point: it owns the process (signals, logging, exit code). SIGTERM or
+SIGINT stop it cleanly: every object is freed, every NIXL registration is undone and
+every NIXL agent destroyed; the exit code is 0 only if the registrations balanced.
+It prints one line saying where it listens, so whoever started it can connect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Callable
+
+from aiohttp import web
+
+from gpuobj import names
+from gpuobj_agent.auth import TokenError
+from gpuobj_agent.config import AgentConfig
+
+
+def build_parser(prog: str = "gpuobj agent") -> argparse.ArgumentParser:
+    d = AgentConfig()
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Run a standalone gpuobj agent: object store, NIXL agent "
+        "(UCX), authenticated control server and Prometheus metrics.",
+    )
+    p.add_argument("--pod-name", default=d.pod_name, help="pod name (default $GPUOBJ_POD_NAME or the hostname)")
+    p.add_argument("--pod-namespace", default=d.namespace, help="pod namespace (default $GPUOBJ_POD_NAMESPACE)")
+    p.add_argument("--pod-uid", default=d.pod_uid, help="pod UID (default $GPUOBJ_POD_UID)")
+    p.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=d.port,
+        help=f"port to listen on; 0 picks a free one (default {names.DEFAULT_AGENT_PORT})",
+    )
+    p.add_argument(
+        "--token-file", default=d.token_file, help=f"file holding the bearer token (default ${names.TOKEN_ENV})"
+    )
+    p.add_argument(
+        "--free-wait-timeout",
+        type=float,
+        default=d.free_wait_timeout,
+        help="seconds a free waits for in-flight reads before answering 503 (default %(default)s)",
+    )
+    p.add_argument(
+        "--read-lease",
+        type=float,
+        default=d.read_lease,
+        help="seconds (plus one per 256 MiB) a read ticket counts as in flight unless ended (default %(default)s)",
+    )
+    p.add_argument(
+        "--fence-interval",
+        type=float,
+        default=d.fence_interval,
+        help="longest wait before freed memory a reader saw is fenced and released (default %(default)s)",
+    )
+    p.add_argument(
+        "--tenured-fence-interval",
+        type=float,
+        default=d.tenured_fence_interval,
+        help="the same for long-lived objects, whose fence moves every live object (default %(default)s)",
+    )
+    p.add_argument(
+        "--quarantine-high-bytes",
+        type=int,
+        default=d.quarantine_high_bytes,
+        help="fence at once when this many freed bytes wait (default %(default)s)",
+    )
+    p.add_argument(
+        "--progress-delay-us",
+        type=int,
+        default=d.progress_delay_us,
+        help="UCX progress thread poll timeout in microseconds (default %(default)s)",
+    )
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    if not args.pod_name:
+        raise SystemExit("error: --pod-name (or $GPUOBJ_POD_NAME) is required")
+    return AgentConfig(
+        pod_name=args.pod_name,
+        namespace=args.pod_namespace,
+        pod_uid=args.pod_uid,
+        host=args.host,
+        port=args.port,
+        token_file=args.token_file,
+        free_wait_timeout=args.free_wait_timeout,
+        read_lease=args.read_lease,
+        fence_interval=args.fence_interval,
+        tenured_fence_interval=args.tenured_fence_interval,
+        quarantine_high_bytes=args.quarantine_high_bytes,
+        progress_delay_us=args.progress_delay_us,
+    )
+
+
+async def serve(config: AgentConfig, extra_routes: Callable[[web.Application], None] | None = None) -> int:
+    """Run until SIGTERM/SIGINT; return the exit code."""
+    from gpuobj_agent.agent import Agent  # imports torch and nixl: after argument parsing
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    agent = Agent(config, extra_routes=extra_routes)
+    try:
+        await agent.start()
+        print(
+            f"gpuobj agent listening on http://{agent.endpoint} (pod {config.namespace}/{config.pod_name}, "
+            f"incarnation {agent.incarnation}, NIXL agent {agent.store.gens.active.name})",
+            flush=True,
+        )
+        await stop.wait()
+    finally:
+        await agent.stop()
+    balanced = agent.balanced()
+    print(
+        f"gpuobj agent stopped: {agent.store.ledger.registrations} NIXL registrations, "
+        f"{agent.store.ledger.deregistrations} deregistrations",
+        flush=True,
+    )
+    return 0 if balanced else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("nixl").setLevel(max(logging.WARNING, logging.getLogger().level))
+    config = config_from_args(args)
+    try:
+        return asyncio.run(serve(config))
+    except (TokenError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

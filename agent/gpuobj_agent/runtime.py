@@ -1,0 +1,268 @@
+"""The embedded agent: started and stopped inside a workload's own process.
+
+Why a private thread with its own event loop: the workload may be a plain script, a
+threaded server or an asyncio program; none of them should have to lend the agent its
+loop, and nothing the agent does (serving the operator, fencing, transfers) may stall
+the workload. Sync methods hand work to the agent's loop and wait for it; the `a`-prefixed
+methods await it from the caller's loop without blocking that loop. The tensors a
+workload puts are held as they are (zero-copy): do not modify them until freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import torch
+from aiohttp import web
+
+from gpuobj_agent.agent import Agent
+from gpuobj_agent.auth import TokenFile
+from gpuobj_agent.config import AgentConfig
+from gpuobj_agent.layouts import TensorLayout
+from gpuobj_agent.store import StoredObject, _iso
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What `put` returns: the object as the agent describes it."""
+
+    id: str
+    bytes: int
+    tensors: tuple[TensorLayout, ...]
+    created_at: str
+    stream: str | None
+    stream_index: int | None
+
+    @classmethod
+    def of(cls, obj: StoredObject) -> ObjectInfo:
+        return cls(obj.object_id, obj.nbytes, tuple(obj.layouts), _iso(obj.created_wall), obj.stream, obj.stream_index)
+
+
+class AgentRuntime:
+    """An agent on a background thread. `start()`, use, `stop()` (or use it as a context manager)."""
+
+    def __init__(
+        self,
+        config: AgentConfig | None = None,
+        *,
+        tokens: TokenFile | None = None,
+        extra_routes: Callable[[web.Application], None] | None = None,
+        **overrides: Any,
+    ) -> None:
+        self.config = replace(config or AgentConfig(), **overrides)
+        self._tokens = tokens
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._agent: Agent | None = None
+        self._stop_requested: asyncio.Event | None = None
+        self._extra_routes = extra_routes
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self, timeout: float = 120.0) -> AgentRuntime:
+        """Start the agent thread and wait until the control server listens and NIXL is up."""
+        started: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._main, args=(started,), name="gpuobj-agent", daemon=True)
+        self._thread.start()
+        try:
+            started.result(timeout)
+        except BaseException:
+            self._join(timeout)
+            raise
+        return self
+
+    async def astart(self, timeout: float = 120.0) -> AgentRuntime:
+        """`start` for asyncio workloads: waits without blocking the caller's loop."""
+        return await asyncio.to_thread(self.start, timeout)
+
+    def _main(self, started: concurrent.futures.Future[None]) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._serve(started))
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    async def _serve(self, started: concurrent.futures.Future[None]) -> None:
+        self._stop_requested = asyncio.Event()
+        try:
+            self._agent = Agent(self.config, tokens=self._tokens, extra_routes=self._extra_routes)
+            await self._agent.start()
+        except BaseException as exc:
+            if self._agent is not None:
+                await self._agent.stop()
+            started.set_exception(exc)
+            return
+        started.set_result(None)
+        try:
+            await self._stop_requested.wait()
+        finally:
+            await self._agent.stop()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Free everything this agent holds, deregister it all, and end the thread."""
+        if self._loop is not None and self._stop_requested is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._stop_requested.set)
+        self._join(timeout)
+
+    async def astop(self, timeout: float = 60.0) -> None:
+        await asyncio.to_thread(self.stop, timeout)
+
+    def _join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"the gpuobj agent thread did not stop within {timeout:g}s")
+            self._thread = None
+
+    def __enter__(self) -> AgentRuntime:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def agent(self) -> Agent:
+        if self._agent is None or self._loop is None:
+            raise RuntimeError("the agent is not started")
+        return self._agent
+
+    @property
+    def endpoint(self) -> str:
+        """host:port of the control server."""
+        return self.agent.endpoint
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.endpoint}"
+
+    # -- bridging ----------------------------------------------------------------------
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        loop = self._loop
+        if loop is None or self._agent is None:
+            coro.close()
+            raise RuntimeError("the agent is not started")
+        return asyncio.run_coroutine_threadsafe(coro, loop)
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not None and running is self._loop:
+            coro.close()
+            raise RuntimeError("blocking call from the agent's own loop; use the async method")
+        return self._submit(coro).result(timeout)
+
+    async def _acall(self, coro: Coroutine[Any, Any, T]) -> T:
+        if asyncio.get_running_loop() is self._loop:
+            return await coro
+        return await asyncio.wrap_future(self._submit(coro))
+
+    async def _put(
+        self, object_id: str, tensors: Sequence[torch.Tensor], stream: str | None, stream_index: int | None, copy: bool
+    ) -> ObjectInfo:
+        obj = await self.agent.store.put(object_id, list(tensors), stream=stream, stream_index=stream_index, copy=copy)
+        return ObjectInfo.of(obj)
+
+    async def _publish(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
+        self.agent.store.publish(key, list(tensors))
+
+    async def _unpublish(self, key: str) -> bool:
+        return self.agent.store.unpublish(key)
+
+    async def _fetch(
+        self, endpoint: str, object_id: str, device: str, token: str | None, timeout: float | None
+    ) -> list[torch.Tensor]:
+        assert self.agent.fetcher is not None
+        return await self.agent.fetcher.fetch(endpoint, object_id, device=device, token=token, timeout=timeout)
+
+    async def _inventory(self) -> dict[str, Any]:
+        return self.agent.inventory()
+
+    async def _stats(self) -> dict[str, Any]:
+        return self.agent.stats()
+
+    # -- the workload's API --------------------------------------------------------------
+    def put(
+        self,
+        object_id: str,
+        tensors: Sequence[torch.Tensor] | torch.Tensor,
+        *,
+        stream: str | None = None,
+        stream_index: int | None = None,
+        copy: bool = False,
+        timeout: float | None = 60.0,
+    ) -> ObjectInfo:
+        """Hold tensors under `object_id` (zero-copy; `copy=True` stores a contiguous copy of
+        non-contiguous tensors instead of refusing them) and register them for remote reads."""
+        seq = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+        return self._call(self._put(object_id, seq, stream, stream_index, copy), timeout)
+
+    async def aput(
+        self,
+        object_id: str,
+        tensors: Sequence[torch.Tensor] | torch.Tensor,
+        *,
+        stream: str | None = None,
+        stream_index: int | None = None,
+        copy: bool = False,
+    ) -> ObjectInfo:
+        seq = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+        return await self._acall(self._put(object_id, seq, stream, stream_index, copy))
+
+    def publish(self, key: str, tensors: Sequence[torch.Tensor] | torch.Tensor) -> None:
+        """Offer tensors under `key` for a GPUObject declared with `kubectl apply` to bind."""
+        seq = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+        self._call(self._publish(key, seq), 30)
+
+    def unpublish(self, key: str) -> bool:
+        return self._call(self._unpublish(key), 30)
+
+    def free(self, object_id: str, *, wait_fence: bool = False, timeout: float | None = None) -> dict[str, Any]:
+        """Free an object held here (idempotent); what the operator does over HTTP."""
+        return self._call(self.agent.store.free(object_id, wait_fence=wait_fence), timeout)
+
+    async def afree(self, object_id: str, *, wait_fence: bool = False) -> dict[str, Any]:
+        return await self._acall(self.agent.store.free(object_id, wait_fence=wait_fence))
+
+    def fetch(
+        self,
+        endpoint: str,
+        object_id: str,
+        *,
+        device: str = "cpu",
+        token: str | None = None,
+        timeout: float | None = None,
+    ) -> list[torch.Tensor]:
+        """Read an object from the agent at `endpoint` into new tensors on `device`."""
+        bound = None if timeout is None else timeout + 5
+        return self._call(self._fetch(endpoint, object_id, device, token, timeout), bound)
+
+    async def afetch(
+        self,
+        endpoint: str,
+        object_id: str,
+        *,
+        device: str = "cpu",
+        token: str | None = None,
+        timeout: float | None = None,
+    ) -> list[torch.Tensor]:
+        return await self._acall(self._fetch(endpoint, object_id, device, token, timeout))
+
+    def inventory(self) -> dict[str, Any]:
+        return self._call(self._inventory(), 30)
+
+    def stats(self) -> dict[str, Any]:
+        """Counts for tests: objects, bytes, registrations, in-flight reads, quarantine."""
+        return self._call(self._stats(), 30)
+
+    async def astats(self) -> dict[str, Any]:
+        return await self._acall(self._stats())

@@ -1,0 +1,608 @@
+"""The object store: objects (tensors under an id), their NIXL registrations, reads and frees.
+
+Why it is shaped this way:
+- Every piece of state lives on the agent's event loop and is changed by one coroutine at
+  a time; NIXL calls run on a dedicated control thread (`await self._control(...)`), so
+  the loop never blocks on NIXL and the server keeps answering (seed 002).
+- Bookkeeping is delegated to plain-Python modules: the registrations ledger (what each
+  NIXL agent holds), read tickets (who may be reading), generations (which NIXL agent is
+  active) and the quarantine (freed memory waiting for its fence). This class wires them
+  to NIXL and to the objects.
+- A free is idempotent and leaves nothing behind: it waits (bounded) for the object's
+  tickets, deregisters from the NIXL agent that registered it, forgets the object, and
+  either drops the tensors or, if a reader was ever handed their keys, quarantines them
+  until fencing.py has destroyed every NIXL agent that exposed them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpuobj_agent.config import AgentConfig
+from gpuobj_agent.errors import (
+    BadRequest,
+    Conflict,
+    FreeTimeout,
+    InsufficientMemory,
+    KeyNotPublished,
+    NotReady,
+    ObjectNotFound,
+    TransportError,
+)
+from gpuobj_agent.generations import GenerationTable
+from gpuobj_agent.layouts import TensorLayout
+from gpuobj_agent.metrics import AgentMetrics, Levels
+from gpuobj_agent.nixl_transport import NixlAgent, Span, region_of
+from gpuobj_agent.quarantine import Quarantine
+from gpuobj_agent.registrations import RegionKey, RegionReused, RegistrationLedger
+from gpuobj_agent.tickets import ReadTickets
+
+log = logging.getLogger(__name__)
+
+ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+# A reader attaches this + readId to its READ; NIXL hands it to us once the data was read.
+READ_END_PREFIX = b"gpuobj-read-end:"
+NOTIFY_POLL_SECONDS = 0.001
+STREAM_RE = re.compile(r"^[A-Za-z0-9._-]{1,253}$")
+
+
+def check_id(object_id: Any, what: str = "object id") -> str:
+    if not isinstance(object_id, str) or not ID_RE.match(object_id):
+        raise BadRequest(f"{what} {object_id!r} is not valid: 1-128 characters of [A-Za-z0-9._-]")
+    return object_id
+
+
+def check_stream(stream: Any) -> str:
+    if not isinstance(stream, str) or not STREAM_RE.match(stream):
+        raise BadRequest(f"stream {stream!r} is not valid: 1-253 characters of [A-Za-z0-9._-]")
+    return stream
+
+
+@dataclass
+class StoredObject:
+    object_id: str
+    tensors: list[torch.Tensor]
+    layouts: list[TensorLayout]
+    spans: list[Span | None]
+    keys: list[RegionKey]
+    nbytes: int
+    created_wall: float
+    created_mono: float
+    gid: int
+    stream: str | None = None
+    stream_index: int | None = None
+    key: str | None = None
+    # What a reader of it needs from generation `described_gid`: (metadata b64, descriptors b64,
+    # whether that metadata names every region of the agent). Computed lazily after a move.
+    description: tuple[str, str | None, bool] | None = None
+    described_gid: int | None = None
+    freeing: asyncio.Future | None = None
+
+    @property
+    def devices(self) -> list[str]:
+        return sorted({layout.device for layout in self.layouts})
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "id": self.object_id,
+            "bytes": self.nbytes,
+            "tensors": [layout.to_json() for layout in self.layouts],
+            "createdAt": _iso(self.created_wall),
+            "stream": self.stream,
+            "streamIndex": self.stream_index,
+        }
+
+
+def _iso(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts * 1000) % 1000:03d}Z"
+
+
+def _b64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode()
+
+
+def _sync_cuda(tensors: Sequence[torch.Tensor]) -> None:
+    """Remote readers read the bytes directly: kernels still writing them must be finished."""
+    for index in sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"}):
+        torch.cuda.synchronize(index)
+
+
+class ObjectStore:
+    """Objects by id and everything that must stay consistent with them."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        metrics: AgentMetrics,
+        *,
+        base_name: str,
+        incarnation: str,
+        control: Executor,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.incarnation = incarnation
+        self.metrics = metrics
+        self._clock = clock
+        self._control_executor = control
+        self.ledger = RegistrationLedger()
+        self.tickets = ReadTickets(clock)
+        self.gens = GenerationTable(base_name)
+        self.quarantine = Quarantine()
+        self.objects: dict[str, StoredObject] = {}
+        self.streams: dict[str, set[str]] = {}
+        self.published: dict[str, list[torch.Tensor]] = {}
+        self.members: dict[int, set[str]] = {}  # generation id -> objects whose tickets it serves
+        self.nixl_lock = asyncio.Lock()  # one NIXL registration change at a time, in a known order
+        self.tickets_changed = asyncio.Condition()
+        self.fencer: Any = None  # set by the agent: fencing.Fencer
+        self.closing = False
+        self._issued = asyncio.Event()
+        self._pump_task: asyncio.Task | None = None
+
+    # -- helpers -----------------------------------------------------------------------
+    async def _control(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._control_executor, fn, *args)
+
+    @property
+    def ready(self) -> bool:
+        return self.gens.active is not None and not self.closing
+
+    def levels(self) -> Levels:
+        by_device: dict[str, int] = {"cpu": 0}  # a series from the start, so dashboards show 0, not nothing
+        for obj in self.objects.values():
+            for layout in obj.layouts:
+                by_device[layout.device] = by_device.get(layout.device, 0) + layout.nbytes
+        gens: dict[str, int] = {"active": 0, "sealed": 0}
+        for gen in self.gens.live():
+            gens[gen.state.value] = gens.get(gen.state.value, 0) + 1
+        return Levels(
+            by_device,
+            len(self.objects),
+            self.ledger.registered_bytes,
+            len(self.tickets.live()),
+            self.quarantine.bytes,
+            gens,
+        )
+
+    def _describe_in(self, agent: NixlAgent, obj_keys: Sequence[RegionKey], spans: Sequence[Span | None]):
+        """On the control thread: the metadata and descriptors a reader of this object needs."""
+        md = agent.partial_metadata(list(obj_keys))
+        descs = agent.serialized_descriptors([s for s in spans if s is not None])
+        whole = len({k.mem for k in obj_keys}) > 1  # DRAM and VRAM: NIXL's full metadata, every region in it
+        return _b64(md), _b64(descs), whole
+
+    def _register_in(
+        self,
+        agent: NixlAgent,
+        new_keys: Sequence[RegionKey],
+        objects: Sequence[tuple[Sequence[RegionKey], Sequence[Span | None]]],
+    ):
+        """On the control thread: register new regions, then describe each object (one thread hop)."""
+        if new_keys:
+            agent.register(list(new_keys))
+        try:
+            return [self._describe_in(agent, keys, spans) for keys, spans in objects]
+        except Exception:
+            if new_keys:
+                agent.deregister(list(new_keys))
+            raise
+
+    # -- put ---------------------------------------------------------------------------
+    def _prepare(self, tensors: Any, copy: bool) -> list[torch.Tensor]:
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        if not isinstance(tensors, (list, tuple)) or not tensors:
+            raise BadRequest("an object is a non-empty list of tensors")
+        out = []
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise BadRequest(f"tensor {i} is a {type(t).__name__}, not a torch.Tensor")
+            TensorLayout.of(t)  # validates dtype and device
+            if not t.is_contiguous():
+                if not copy:
+                    raise BadRequest(
+                        f"tensor {i} is not contiguous (stride {tuple(t.stride())} for shape {tuple(t.shape)}); "
+                        "NIXL reads one contiguous span per tensor: pass tensor.contiguous(), or put(..., copy=True) "
+                        "to let the agent store a contiguous copy"
+                    )
+                t = t.contiguous()
+            out.append(t)
+        return out
+
+    async def put(
+        self,
+        object_id: str,
+        tensors: Any,
+        *,
+        stream: str | None = None,
+        stream_index: int | None = None,
+        key: str | None = None,
+        copy: bool = False,
+    ) -> StoredObject:
+        """Hold `tensors` under `object_id` (zero-copy) and register them for remote reads."""
+        check_id(object_id)
+        if stream is not None:
+            check_stream(stream)
+        if stream_index is not None and (isinstance(stream_index, bool) or not isinstance(stream_index, int)):
+            raise BadRequest("streamIndex must be an integer")
+        if not self.ready:
+            raise NotReady("the agent is not ready (starting or stopping)")
+        if object_id in self.objects:
+            raise Conflict(f"object {object_id} already exists")
+        tensors = self._prepare(tensors, copy)
+        if any(t.device.type == "cuda" for t in tensors):
+            await self._control(_sync_cuda, tensors)  # off the loop: a device sync may take a while
+        layouts = [TensorLayout.of(t) for t in tensors]
+        spans = [Span.of(t) for t in tensors]
+        keys = list(dict.fromkeys(k for k in (region_of(t) for t in tensors) if k is not None))
+        for attempt in range(2):
+            async with self.nixl_lock:
+                if object_id in self.objects:
+                    raise Conflict(f"object {object_id} already exists")
+                gen = self.gens.active
+                if gen is None or self.closing:
+                    raise NotReady("the agent is not ready (starting or stopping)")
+                try:
+                    new = self.ledger.acquire(gen.gid, keys, object_id)
+                except RegionReused:
+                    if attempt:
+                        raise
+                    new = None
+                if new is not None:
+                    try:
+                        [described] = await self._control(self._register_in, gen.agent, new, [(keys, spans)])
+                    except Exception as exc:
+                        self.ledger.rollback(gen.gid, new, object_id)
+                        self.metrics.error("nixl_register")
+                        raise TransportError(f"registering object {object_id} with NIXL failed: {exc}") from exc
+                    self.metrics.registrations.labels(op="register").inc(len(new))
+                    obj = StoredObject(
+                        object_id,
+                        tensors,
+                        layouts,
+                        spans,
+                        keys,
+                        sum(lay.nbytes for lay in layouts),
+                        time.time(),
+                        self._clock(),
+                        gen.gid,
+                        stream,
+                        stream_index,
+                        key,
+                    )
+                    obj.description, obj.described_gid = described, gen.gid
+                    self.objects[object_id] = obj
+                    self.members.setdefault(gen.gid, set()).add(object_id)
+                    if stream is not None:
+                        self.streams.setdefault(stream, set()).add(object_id)
+                    return obj
+            # One of these storages was freed after a reader saw it, and is alive again (the workload
+            # re-put a tensor it still holds): a newer NIXL agent must take it. Rotate and retry.
+            await self.fencer.rotate_now()
+        raise AssertionError("unreachable")
+
+    def publish(self, key: str, tensors: Any) -> None:
+        """Offer tensors under a key, for a declared GPUObject (`PUT` with `key`) to bind."""
+        check_id(key, "key")
+        self.published[key] = self._prepare(tensors, copy=False)
+
+    def unpublish(self, key: str) -> bool:
+        return self.published.pop(key, None) is not None
+
+    async def materialize(
+        self,
+        object_id: str,
+        layouts: list[TensorLayout],
+        *,
+        key: str | None = None,
+        stream: str | None = None,
+        stream_index: int | None = None,
+    ) -> tuple[bool, StoredObject]:
+        """Create a declared object: bind published tensors or allocate zeroed ones. Idempotent."""
+        check_id(object_id)
+        existing = self.objects.get(object_id)
+        if existing is not None and existing.freeing is None:
+            if existing.layouts != layouts:
+                raise Conflict(f"object {object_id} exists with another layout")
+            return False, existing
+        if key is not None:
+            check_id(key, "key")
+            tensors = self.published.get(key)
+            if tensors is None:
+                raise KeyNotPublished(f"key {key!r} is not published by the workload")
+            have = [TensorLayout.of(t) for t in tensors]
+            if have != layouts:
+                raise Conflict(
+                    f"the tensors published under {key!r} have layouts "
+                    f"{[h.to_json() for h in have]}, not the declared ones"
+                )
+        else:
+            total = sum(layout.nbytes for layout in layouts)
+            if total > self.config.max_object_bytes:
+                raise BadRequest(f"object of {total} bytes exceeds the agent's limit of {self.config.max_object_bytes}")
+            for layout in layouts:
+                if layout.device.startswith("cuda") and (
+                    not torch.cuda.is_available() or int(layout.device.split(":")[1]) >= torch.cuda.device_count()
+                ):
+                    raise BadRequest(f"device {layout.device} is not available on this pod")
+            try:
+                tensors = [layout.allocate(zero=True) for layout in layouts]
+            except (RuntimeError, MemoryError) as exc:
+                raise InsufficientMemory(f"allocating {total} bytes failed: {exc}") from exc
+        try:
+            obj = await self.put(object_id, tensors, stream=stream, stream_index=stream_index, key=key)
+        except Conflict:
+            raced = self.objects.get(object_id)
+            if raced is not None and raced.layouts == layouts:
+                return False, raced
+            raise
+        return True, obj
+
+    # -- reads -------------------------------------------------------------------------
+    async def begin_read(self, object_id: str, reader: str) -> dict[str, Any]:
+        """Issue a read ticket: everything a reader needs, and a lease the free will respect."""
+        for _ in range(8):
+            obj = self.objects.get(object_id)
+            if obj is None or obj.freeing is not None:
+                raise ObjectNotFound(object_id)
+            gid = obj.gid
+            if obj.described_gid != gid or obj.description is None:
+                # First read since the object moved to another NIXL agent: describe it there.
+                description = await self._control(self._describe_in, self.gens.get(gid).agent, obj.keys, obj.spans)
+                if self.objects.get(object_id) is not obj or obj.freeing is not None or obj.gid != gid:
+                    continue  # freed or moved meanwhile: look again
+                obj.description, obj.described_gid = description, gid
+            return self._issue(obj, reader)
+        raise NotReady(f"object {object_id} keeps moving between NIXL agents; retry")
+
+    def _issue(self, obj: StoredObject, reader: str) -> dict[str, Any]:
+        gen = self.gens.get(obj.gid)
+        assert obj.description is not None
+        metadata, descriptors, whole = obj.description
+        lease = round(self.config.lease_for(obj.nbytes), 3)
+        ticket = self.tickets.issue(obj.object_id, obj.gid, tuple(obj.keys), obj.nbytes, reader, lease)
+        self.ledger.expose(obj.gid, self.ledger.keys_in(obj.gid) if whole else obj.keys)
+        self.metrics.tickets.labels(result="issued").inc()
+        self._issued.set()
+        return {
+            "readId": ticket.read_id,
+            "nixlAgent": gen.name,
+            "agentMetadata": metadata,
+            "descriptors": descriptors,
+            "spans": [s.to_json() if s is not None else None for s in obj.spans],
+            "tensors": [layout.to_json() for layout in obj.layouts],
+            "bytes": obj.nbytes,
+            "leaseSeconds": lease,
+            "liveAgents": self.gens.live_names(),
+            "incarnation": self.incarnation,
+        }
+
+    async def end_read(self, read_id: str) -> dict[str, Any]:
+        expired = self._expire()
+        result = self._end(read_id)
+        if result.ended or expired:
+            await self._tickets_changed()
+        return {"ended": result.ended, "valid": result.valid, "expired": self.tickets.was_expired(read_id)}
+
+    def _end(self, read_id: str):
+        result = self.tickets.end(read_id)
+        if result.ended and result.ticket is not None:
+            t = result.ticket
+            self.metrics.tickets.labels(result="ended").inc()
+            self.metrics.transfer_bytes.labels(direction="out").inc(t.nbytes)
+            self.metrics.transfer_seconds.labels(direction="out").observe(self._clock() - t.issued_at)
+        return result
+
+    # -- read ends delivered by NIXL ------------------------------------------------------
+    def start_pump(self) -> None:
+        self._pump_task = asyncio.create_task(self._pump(), name="gpuobj-read-end-pump")
+
+    async def stop_pump(self) -> None:
+        if self._pump_task is not None:
+            self._pump_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump_task
+            self._pump_task = None
+
+    @staticmethod
+    def _poll(agents: list[NixlAgent]) -> list[bytes]:
+        out = []
+        for agent in agents:
+            for messages in agent.notifications().values():
+                out.extend(messages)
+        return out
+
+    async def _pump(self) -> None:
+        """While reads are in flight, collect the read-end notes readers attach to their READs.
+
+        This ends our own readers' tickets without a second HTTP request; DELETE /v1/reads
+        remains for everyone else. Polls only while some ticket is live.
+        """
+        while True:
+            if not self.tickets.inflight():
+                self._issued.clear()
+                await self._issued.wait()
+                continue
+            try:
+                notes = await self._control(self._poll, [g.agent for g in self.gens.live()])
+            except Exception as exc:  # a failed poll must not stop the pump: leases still bound every ticket
+                log.error("polling NIXL notifications failed: %s", exc)
+                self.metrics.error("nixl_notifications")
+                notes = []
+            ended = False
+            for note in notes:
+                if note.startswith(READ_END_PREFIX):
+                    ended = self._end(note[len(READ_END_PREFIX) :].decode(errors="replace")).ended or ended
+            if ended:
+                await self._tickets_changed()
+            await asyncio.sleep(NOTIFY_POLL_SECONDS)
+
+    def _expire(self) -> int:
+        expired = self.tickets.expire()
+        if expired:
+            self.metrics.tickets.labels(result="expired").inc(len(expired))
+        return len(expired)
+
+    async def _tickets_changed(self) -> None:
+        async with self.tickets_changed:
+            self.tickets_changed.notify_all()
+        if self.fencer is not None:
+            self.fencer.poke()
+
+    async def wait_tickets(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Wait until `predicate()` holds, re-checking on every ticket end and lease expiry."""
+        deadline = self._clock() + timeout
+        async with self.tickets_changed:
+            while True:
+                if self._expire() and self.fencer is not None:
+                    self.fencer.poke()
+                if predicate():
+                    return True
+                now = self._clock()
+                if now >= deadline:
+                    return False
+                wake = deadline
+                nxt = self.tickets.next_deadline()
+                if nxt is not None:
+                    wake = min(wake, nxt)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(0.0, wake - now) + 0.001):
+                        await self.tickets_changed.wait()
+
+    # -- free --------------------------------------------------------------------------
+    async def free(self, object_id: str, *, reason: str | None = None, wait_fence: bool = False) -> dict[str, Any]:
+        """Free an object: idempotent, bounded, and nothing about it remains afterwards."""
+        started = self._clock()
+        check_id(object_id)
+        obj = self.objects.get(object_id)
+        if obj is not None and obj.freeing is not None:
+            await asyncio.shield(obj.freeing)
+            obj = self.objects.get(object_id)
+            if obj is not None:
+                raise FreeTimeout(f"object {object_id} still has reads in flight; nothing freed")
+        if obj is None:
+            self.metrics.frees.labels(result="noop").inc()
+            return {"freed": False, "reason": "unknown object"}
+        obj.freeing = asyncio.get_running_loop().create_future()
+        try:
+            ok = await self.wait_tickets(
+                lambda: self.tickets.inflight(object_id=object_id) == 0, self.config.free_wait_timeout
+            )
+            waited = self._clock() - started
+            self.metrics.free_wait.observe(waited)
+            if not ok:
+                self.metrics.error("free_timeout")
+                raise FreeTimeout(
+                    f"object {object_id} still has {self.tickets.inflight(object_id=object_id)} "
+                    f"read(s) in flight after {self.config.free_wait_timeout:g}s; nothing freed"
+                )
+            fenced_gens = await self._release(obj)
+        finally:
+            fut, obj.freeing = obj.freeing, None
+            if not fut.done():
+                fut.set_result(None)
+        self.metrics.frees.labels(result="freed").inc()
+        fenced = True
+        if wait_fence and fenced_gens:
+            fenced = await self.fencer.wait_retired(fenced_gens, self.config.free_wait_timeout)
+        elif fenced_gens:
+            fenced = False
+        self.metrics.free_seconds.observe(self._clock() - started)
+        log.debug("freed %s (%d bytes, reason %s)", object_id, obj.nbytes, reason)
+        return {"freed": True, "bytes": obj.nbytes, "waitedSeconds": round(waited, 6), "fenced": fenced}
+
+    async def _release(self, obj: StoredObject) -> set[int]:
+        """Deregister everywhere, forget the object, quarantine or drop its tensors; returns fence gens."""
+        exposed: set[int] = set()
+        async with self.nixl_lock:
+            for gid in self.ledger.owner_generations(obj.object_id):
+                released = self.ledger.release(gid, obj.object_id)
+                if released.deregister:
+                    await self._deregister(gid, released.deregister)
+                if released.exposed:
+                    exposed.add(gid)
+                if self.gens.has(gid):
+                    self.gens.get(gid).migrated.discard(obj.object_id)
+            self.objects.pop(obj.object_id, None)
+            members = self.members.get(obj.gid)
+            if members is not None:
+                members.discard(obj.object_id)
+            if obj.stream is not None:
+                items = self.streams.get(obj.stream)
+                if items is not None:
+                    items.discard(obj.object_id)
+                    if not items:
+                        del self.streams[obj.stream]
+        tensors, obj.tensors, obj.description = obj.tensors, [], None
+        if exposed:
+            self.quarantine.add(obj.object_id, obj.nbytes, tensors, exposed, self._clock())
+        del tensors  # never exposed: the memory may go now
+        if self.fencer is not None:
+            self.fencer.poke()  # a sealed agent may have just emptied, or a fence is now due
+        return exposed
+
+    async def _deregister(self, gid: int, keys: list[RegionKey]) -> None:
+        """Deregister from the NIXL agent that registered them; the ledger records it either way."""
+        agent = self.gens.get(gid).agent
+        try:
+            await self._control(agent.deregister, keys)
+        except TransportError as exc:
+            # The agent will be destroyed anyway; the registration cannot outlive it.
+            log.error("NIXL deregister in generation %d failed: %s", gid, exc)
+            self.metrics.error("nixl_deregister")
+        self.ledger.deregistered(gid, keys)
+        self.metrics.registrations.labels(op="deregister").inc(len(keys))
+
+    async def free_stream(self, stream: str) -> dict[str, Any]:
+        check_stream(stream)
+        ids = sorted(self.streams.get(stream, ()))
+        results = await asyncio.gather(*(self.free(i, reason=f"stream {stream}") for i in ids), return_exceptions=True)
+        freed, total, failed = [], 0, []
+        for object_id, res in zip(ids, results, strict=True):
+            if isinstance(res, BaseException):
+                failed.append((object_id, res))
+            elif res.get("freed"):
+                freed.append(object_id)
+                total += res["bytes"]
+        if failed:
+            raise FreeTimeout(
+                f"stream {stream}: {len(failed)} object(s) not freed ({failed[0][1]}); "
+                f"{len(freed)} freed, retry to finish"
+            )
+        return {"freed": freed, "bytes": total}
+
+    # -- views -------------------------------------------------------------------------
+    def describe(self, object_id: str) -> dict[str, Any]:
+        obj = self.objects.get(object_id)
+        if obj is None or obj.freeing is not None:
+            raise ObjectNotFound(object_id)
+        return obj.describe()
+
+    def inventory_objects(self) -> list[dict[str, Any]]:
+        now = self._clock()
+        out = []
+        for obj in sorted(self.objects.values(), key=lambda o: o.created_mono):
+            item = obj.describe()
+            item.update(
+                {
+                    "devices": obj.devices,
+                    "ageSeconds": round(now - obj.created_mono, 3),
+                    "inflightReads": self.tickets.inflight(object_id=obj.object_id),
+                    "key": obj.key,
+                    "freeing": obj.freeing is not None,
+                }
+            )
+            out.append(item)
+        return out
