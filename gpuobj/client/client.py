@@ -94,6 +94,7 @@ class Client:
         # Releases queued by handle finalizers (any thread, even during interpreter shutdown).
         self._releases: queue.SimpleQueue[tuple[str, str, str, str]] = queue.SimpleQueue()
         self._release_event = asyncio.Event()
+        self._release_lock = asyncio.Lock()
         self._live: weakref.WeakSet[ObjectRef] = weakref.WeakSet()
         self._release_task = self._loop.submit(self._release_worker())
         self._closed = False
@@ -388,6 +389,11 @@ class Client:
             await self._drain_releases()
 
     async def _drain_releases(self) -> None:
+        # One drainer at a time: close() must not return while the worker is mid-delete.
+        async with self._release_lock:
+            await self._drain_unlocked()
+
+    async def _drain_unlocked(self) -> None:
         while True:
             try:
                 kind, namespace, name, uid = self._releases.get_nowait()

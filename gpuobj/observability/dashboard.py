@@ -295,9 +295,70 @@ def rows() -> tuple[RowSpec, ...]:
                 (Query(q.rate(m.AGENT_ERRORS, "kind"), "{{kind}}"),),
                 red_at=1e-9,
             ),
+            PanelSpec(
+                "Agent free duration p50 / p99",
+                "One free request at an agent, received to answered (waiting for in-flight reads included). The "
+                "operator's free latency adds the API round trips to this.",
+                units.Seconds,
+                (
+                    Query(q.quantile(0.5, m.AGENT_FREE_SECONDS), "p50"),
+                    Query(q.quantile(0.99, m.AGENT_FREE_SECONDS), "p99"),
+                ),
+            ),
+            PanelSpec(
+                "Read tickets",
+                "Read tickets issued, ended by their reader, or expired (the reader died or stalled past its lease). "
+                "Expired tickets that keep rising point at crashing or wedged readers.",
+                units.OpsPerSecond,
+                (Query(q.rate(m.AGENT_READ_TICKETS, "result"), "{{result}}"),),
+            ),
         ),
     )
-    return (leaks, objects, frees, agents)
+    fencing = RowSpec(
+        "Fencing stale readers",
+        (
+            PanelSpec(
+                "Freed bytes waiting for their fence",
+                "Bytes already freed but held until the NIXL agent that exposed them is retired, so that a reader "
+                "with stale metadata gets a clean error instead of reading reused memory or crashing the source. "
+                "Should return to zero within a second; a plateau means a read lease is holding a rotation back.",
+                units.BytesIEC,
+                (
+                    Query(
+                        f"sum by ({q.AGENT_LABELS}) ({m.AGENT_QUARANTINED_BYTES})", "{{namespace}}/{{pod}} {{instance}}"
+                    ),
+                ),
+            ),
+            PanelSpec(
+                "Free to memory released p50 / p99",
+                "From a free to the release of its memory (the fence's latency). Objects no reader ever saw are "
+                "released at once and do not appear here.",
+                units.Seconds,
+                (
+                    Query(q.quantile(0.5, m.AGENT_QUARANTINE_SECONDS), "p50"),
+                    Query(q.quantile(0.99, m.AGENT_QUARANTINE_SECONDS), "p99"),
+                ),
+            ),
+            PanelSpec(
+                "NIXL agents per pod",
+                "NIXL agents alive per pod agent, by state (active, sealed). Sealed agents wait for their readers "
+                "before they are destroyed; a growing count means rotations are not finishing.",
+                units.Short,
+                (Query(f"sum by ({q.AGENT_LABELS}, state) ({m.AGENT_NIXL_GENERATIONS})", "{{pod}} {{state}}"),),
+            ),
+            PanelSpec(
+                "NIXL agent rotations and migrations",
+                "Rotations: NIXL agents replaced to fence stale readers. Migrations: live objects re-registered in "
+                "the newer agent during a rotation.",
+                units.OpsPerSecond,
+                (
+                    Query(q.rate(m.AGENT_NIXL_ROTATIONS), "rotations"),
+                    Query(q.rate(m.AGENT_MIGRATIONS), "migrations"),
+                ),
+            ),
+        ),
+    )
+    return (leaks, objects, frees, agents, fencing)
 
 
 def panel_queries() -> list[tuple[str, str]]:

@@ -103,8 +103,10 @@ class LeaderElector:
     async def _attempt(self) -> bool:
         try:
             return await asyncio.wait_for(self.try_acquire(), timeout=self.config.renew_seconds)
-        except (TimeoutError, OSError) as exc:
-            log.warning("lease attempt failed: %s", exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # any failure to renew counts against the lease, never kills the elector
+            log.warning("lease attempt failed: %s: %s", type(exc).__name__, exc)
             return False
 
     async def hold(self) -> None:

@@ -205,6 +205,8 @@ async def run(args: argparse.Namespace) -> int:
         reconciler.start()
         health.state = "leading"
         print("gpuobj operator: synced and reconciling", flush=True)
+        # Before kopf starts: kopf cancels, on its way out, the tasks created while it ran.
+        hold = asyncio.create_task(elector.hold())
         kopf_ready = asyncio.Event()
         operator = asyncio.create_task(
             kopf.operator(
@@ -218,17 +220,17 @@ async def run(args: argparse.Namespace) -> int:
             )
         )
         ready_wait = asyncio.create_task(kopf_ready.wait())
-        await asyncio.wait({ready_wait, operator}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({ready_wait, operator, stopping}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
         ready_wait.cancel()
         # kopf installed its own signal handlers; take them back so that a SIGTERM stops kopf through
         # its stop flag (a clean stop) and lets us release the lease on the way out.
         _install_signal_handlers(stop)
-        hold = asyncio.create_task(elector.hold())
         done, _ = await asyncio.wait({operator, hold, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if hold in done:
+        if hold in done and not hold.cancelled():
             rc = 1  # lost the lease: stop acting at once
-            print("gpuobj operator: lost leadership; exiting", file=sys.stderr, flush=True)
-        elif operator in done and operator.exception():
+            reason = f": {hold.exception()!r}" if hold.exception() else ""
+            print(f"gpuobj operator: lost leadership{reason}; exiting", file=sys.stderr, flush=True)
+        elif operator in done and not operator.cancelled() and operator.exception():
             rc = 1
             log.error("kopf stopped: %r", operator.exception())
         hold.cancel()

@@ -43,8 +43,10 @@ def test_second_replica_waits_and_takes_over_when_the_leader_dies(
             return (await create_agent_pod(kube, namespace, "src", port=1))["metadata"]["uid"]
 
     pod_uid = asyncio.run(make_pod())
-    leader = start_operator(gpuobj_cluster, token_file, namespace, identity="op-a").wait_ready()
-    standby = start_operator(gpuobj_cluster, token_file, namespace, identity="op-b")
+    # A lease long enough that a loaded two-core machine never misses a renewal.
+    lease = ["--lease-seconds", "10"]
+    leader = start_operator(gpuobj_cluster, token_file, namespace, identity="op-a", extra=lease).wait_ready()
+    standby = start_operator(gpuobj_cluster, token_file, namespace, identity="op-b", extra=lease)
     try:
         standby.wait_for_line("waiting for leadership", timeout=30)
         assert standby.metric("gpuobj_operator_leader") == 0
