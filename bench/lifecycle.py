@@ -66,10 +66,19 @@ def gpuobj_cycles(
     src.run(CYCLE_SRC)
     reader.run(CYCLE_READER)
     started = time.perf_counter()
+    spent = [0.0, 0.0, 0.0]
     for i in range(cycles):
+        t0 = time.perf_counter()
         shared = src.eval(f"cycle_put({i}, {size})")
+        t1 = time.perf_counter()
         reader.eval(f"cycle_read({shared!r})")
+        t2 = time.perf_counter()
         src.run("cycle_release()")
+        t3 = time.perf_counter()
+        for j, dt in enumerate((t1 - t0, t2 - t1, t3 - t2)):
+            spent[j] += dt
+    ms = [x / cycles * 1000 for x in spent]
+    print(f"#   per cycle: put+share {ms[0]:.1f} ms, adopt+fetch+release {ms[1]:.1f} ms, owner release {ms[2]:.1f} ms")
     cluster.kubectl("wait", "--for=delete", "gpuobject", "--all", "-n", NAMESPACE, "--timeout=120s")
     return cycles / (time.perf_counter() - started)
 

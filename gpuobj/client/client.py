@@ -17,6 +17,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ from gpuobj.kube.config import load as load_kubeconfig
 log = logging.getLogger("gpuobj.client")
 
 DEFAULT_TIMEOUT = 60.0
+POD_UID_TTL = 30.0
 
 
 def _short_id() -> str:
@@ -96,6 +98,7 @@ class Client:
         self._release_event = asyncio.Event()
         self._release_lock = asyncio.Lock()
         self._live: weakref.WeakSet[ObjectRef] = weakref.WeakSet()
+        self._pod_uids: dict[tuple[str, str], tuple[str, float]] = {}
         self._release_task = self._loop.submit(self._release_worker())
         self._closed = False
         _at_shutdown(self.close)
@@ -322,9 +325,20 @@ class Client:
     async def ashare_inner(self, ref: ObjectRef | ObjectAddress, pod_name: str, pod_uid: str | None) -> SharedRef:
         address = ref.address if isinstance(ref, ObjectRef) else ref
         if pod_uid is None:
-            pod_uid = (await self._kube.get(PODS, pod_name, address.namespace))["metadata"]["uid"]
+            pod_uid = await self._pod_uid(address.namespace, pod_name)
         created = await self._create_claim(address, pod_name, pod_uid)
         return SharedRef(address, created["metadata"]["name"], created["metadata"]["uid"], pod_name)
+
+    async def _pod_uid(self, namespace: str, pod_name: str) -> str:
+        """The receiver's current incarnation, cached briefly: a claim made for an incarnation that has
+        since died is garbage-collected with it, which is right, since that receiver can no longer adopt it."""
+        now = time.monotonic()
+        cached = self._pod_uids.get((namespace, pod_name))
+        if cached and now - cached[1] < POD_UID_TTL:
+            return cached[0]
+        uid = (await self._kube.get(PODS, pod_name, namespace))["metadata"]["uid"]
+        self._pod_uids[(namespace, pod_name)] = (uid, now)
+        return uid
 
     def _adopt(self, shared: SharedRef) -> ObjectRef:
         if shared.holder_pod != self.pod_name:

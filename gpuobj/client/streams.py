@@ -91,45 +91,82 @@ class StreamReader:
         self.item_timeout = item_timeout
         self.position: int | None = None
 
-    async def _stream(self) -> dict:
-        try:
-            return await self.client._kube.get(STREAMS, self.name, self.client.namespace)
-        except NotFound as exc:
-            raise StreamClosedError(f"stream {self.client.namespace}/{self.name} does not exist") from exc
+    async def _follow(self, res, selector: dict[str, str], on_event) -> None:
+        """List then watch (relisting when the version is too old), feeding ``on_event(obj, deleted)``."""
+        kube, ns = self.client._kube, self.client.namespace
+        while True:
+            listed = await kube.list(res, ns, **selector)
+            for obj in listed["items"]:
+                on_event(obj, False)
+            rv = listed["metadata"]["resourceVersion"]
+            try:
+                while True:
+                    async for kind, obj in kube.watch(res, ns, resource_version=rv, timeout_seconds=60, **selector):
+                        rv = obj["metadata"].get("resourceVersion", rv)
+                        if kind != "BOOKMARK":
+                            on_event(obj, kind == "DELETED")
+            except Gone:
+                continue
+
+    def _start_watches(self) -> None:
+        """One watch on the stream's items and one on the stream, for the whole read: no request per item."""
+        self._items: dict[int, dict] = {}
+        self._end: int | None = None
+        self._gone: str | None = None
+        self._changed = asyncio.Event()
+
+        def on_item(obj: dict, deleted: bool) -> None:
+            index = int(((obj.get("spec") or {}).get("stream") or {}).get("index", -1))
+            if deleted or obj["metadata"].get("deletionTimestamp"):
+                self._items.pop(index, None)
+            else:
+                self._items[index] = obj
+            self._changed.set()
+
+        def on_stream(obj: dict, deleted: bool) -> None:
+            if deleted or obj["metadata"].get("deletionTimestamp"):
+                self._gone = f"stream {self.client.namespace}/{self.name} was deleted"
+            end = (obj["metadata"].get("annotations") or {}).get(ANNOTATION_END)
+            self._end = int(end) if end is not None else None
+            self._changed.set()
+
+        self._watches = [
+            asyncio.create_task(
+                self._follow(GPUOBJECTS, {"label_selector": f"{names.LABEL_STREAM}={self.name}"}, on_item)
+            ),
+            asyncio.create_task(self._follow(STREAMS, {"field_selector": f"metadata.name={self.name}"}, on_stream)),
+        ]
+
+    async def _stop_watches(self) -> None:
+        for task in getattr(self, "_watches", []):
+            task.cancel()
+        await asyncio.gather(*getattr(self, "_watches", []), return_exceptions=True)
+        self._watches = []
 
     async def _next_item(self, index: int) -> tuple[dict | None, bool]:
-        """Wait for item ``index`` by watching the stream's items; (None, True) at the end of the stream."""
-        kube, ns = self.client._kube, self.client.namespace
-        selector = f"{names.LABEL_STREAM}={self.name}"
-        wanted = item_name(self.name, index)
+        """Wait for item ``index``; (None, True) at the end of the stream. Bounded by ``item_timeout``."""
 
         async def wait() -> tuple[dict | None, bool]:
             while True:
-                stream = await self._stream()
-                if stream["metadata"].get("deletionTimestamp"):
-                    raise StreamClosedError(f"stream {ns}/{self.name} is being deleted")
-                end = (stream["metadata"].get("annotations") or {}).get(ANNOTATION_END)
-                listed = await kube.list(GPUOBJECTS, ns, label_selector=selector)
-                for item in listed["items"]:
-                    if item["metadata"]["name"] == wanted and not item["metadata"].get("deletionTimestamp"):
-                        return item, False
-                if end is not None and index >= int(end):
+                for task in self._watches:
+                    if task.done() and task.exception():
+                        raise task.exception()  # type: ignore[misc]
+                if index in self._items:
+                    return self._items.pop(index), False
+                if self._gone:
+                    raise StreamClosedError(self._gone)
+                if self._end is not None and index >= self._end:
                     return None, True
-                try:
-                    async for kind, obj in kube.watch(
-                        GPUOBJECTS,
-                        ns,
-                        resource_version=listed["metadata"]["resourceVersion"],
-                        label_selector=selector,
-                        timeout_seconds=10,
-                    ):
-                        if kind == "ADDED" and obj["metadata"]["name"] == wanted:
-                            return obj, False
-                except Gone:
-                    pass
-                # The watch timed out: look at the stream again (it may have ended or been deleted).
+                self._changed.clear()
+                await self._changed.wait()
 
-        return await asyncio.wait_for(wait(), self.item_timeout)
+        try:
+            return await asyncio.wait_for(wait(), self.item_timeout)
+        except TimeoutError as exc:
+            raise StreamClosedError(
+                f"item {index} of stream {self.client.namespace}/{self.name}"
+                f" did not arrive within {self.item_timeout:.0f}s"
+            ) from exc
 
     async def _advance(self, index: int) -> None:
         await self.client._kube.patch(
@@ -153,21 +190,25 @@ class StreamReader:
                     f"stream {self.client.namespace}/{self.name} did not appear within {self.item_timeout:.0f}s"
                 ) from exc
             self.position = int(((stream or {}).get("status") or {}).get("consumed", 0))
-        while True:
-            item, ended = await self._next_item(self.position)
-            if ended:
-                return
-            assert item is not None
-            address = _address_of(item)
-            tensors = await self.client.afetch_inner(address, device=self.device)
-            # Read position first, then the release: a late report of this item is then recognisably stale.
-            await self._advance(self.position)
-            try:
-                await self.client._kube.delete(GPUOBJECTS, address.name, address.namespace, uid=address.uid)
-            except (NotFound, Conflict):
-                pass
-            self.position += 1
-            yield tensors
+        self._start_watches()
+        try:
+            while True:
+                item, ended = await self._next_item(self.position)
+                if ended:
+                    return
+                assert item is not None
+                address = _address_of(item)
+                tensors = await self.client.afetch_inner(address, device=self.device)
+                # Read position first, then the release: a late report of this item is then recognisably stale.
+                await self._advance(self.position)
+                try:
+                    await self.client._kube.delete(GPUOBJECTS, address.name, address.namespace, uid=address.uid)
+                except (NotFound, Conflict):
+                    pass
+                self.position += 1
+                yield tensors
+        finally:
+            await self._stop_watches()
 
     def __iter__(self) -> Iterator[list]:
         agen = self.aiter()

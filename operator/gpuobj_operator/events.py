@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
+import time
 
 from gpuobj.kube.client import EVENTS, ApiError, KubeClient
 
@@ -17,7 +18,19 @@ log = logging.getLogger(__name__)
 
 
 class EventRecorder:
-    def __init__(self, kube: KubeClient, component: str, instance: str, capacity: int = 10_000) -> None:
+    def __init__(
+        self,
+        kube: KubeClient,
+        component: str,
+        instance: str,
+        capacity: int = 10_000,
+        rate: float = 20.0,
+        burst: int = 100,
+    ) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._tokens = float(burst)
+        self._last = time.monotonic()
         self.kube = kube
         self.component = component
         self.instance = instance
@@ -39,6 +52,16 @@ class EventRecorder:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         self._task = None
+
+    def _allowed(self) -> bool:
+        """A token bucket, like client-go's event spam filter: bursts pass, a flood is cut to ``rate``/s."""
+        now = time.monotonic()
+        self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+        self._last = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
 
     def post(
         self, *, api_version: str, kind: str, namespace: str, name: str, uid: str, type_: str, reason: str, message: str
@@ -63,6 +86,9 @@ class EventRecorder:
             "lastTimestamp": now[:19] + "Z",
             "count": 1,
         }
+        if not self._allowed():
+            self.dropped += 1
+            return
         try:
             self._queue.put_nowait(event)
         except asyncio.QueueFull:

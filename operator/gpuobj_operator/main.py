@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--leak-grace", type=float, default=30.0, help="seconds before leaked bytes are reclaimed")
     p.add_argument("--resync-interval", type=float, default=60.0)
+    p.add_argument(
+        "--status-delay",
+        type=float,
+        default=0.25,
+        help="seconds a routine status write waits (short-lived objects then need none); 0 writes at once",
+    )
     p.add_argument("--log-level", default=env("GPUOBJ_LOG_LEVEL", "INFO"))
     return p
 
@@ -191,6 +197,7 @@ async def run(args: argparse.Namespace) -> int:
         leak_grace_seconds=args.leak_grace,
         audit_interval=args.audit_interval,
         resync_interval=args.resync_interval,
+        status_delay=args.status_delay,
         namespace=args.namespace,
     )
     reconciler_box.append(reconciler)

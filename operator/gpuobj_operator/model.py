@@ -45,6 +45,7 @@ class ObjectInfo:
     stream: tuple[str, int] | None = None
     deleting: bool = False
     finalized: bool = False  # carries gpuobj.io/free
+    finalizers: tuple[str, ...] = ()
     generation: int = 1
     resource_version: str = ""
     status: dict = field(default_factory=dict)
@@ -167,6 +168,7 @@ def parse_object(obj: dict) -> ObjectInfo:
         stream=(stream["name"], int(stream["index"])) if stream else None,
         deleting=bool(meta.get("deletionTimestamp")),
         finalized=names.FINALIZER_FREE in (meta.get("finalizers") or []),
+        finalizers=tuple(meta.get("finalizers") or ()),
         generation=int(meta.get("generation", 1)),
         resource_version=meta.get("resourceVersion", ""),
         status=dict(obj.get("status") or {}),

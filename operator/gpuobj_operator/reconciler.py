@@ -65,6 +65,7 @@ class Reconciler:
         audit_interval: float = 10.0,
         resync_interval: float = 60.0,
         namespace: str | None = None,
+        status_delay: float = 0.25,
     ) -> None:
         self.kube = kube
         self.agents = agents
@@ -80,6 +81,10 @@ class Reconciler:
         self.namespace = namespace
         self._tasks: list[asyncio.Task] = []
         self._freed: set[str] = set()  # uids freed and awaiting their DELETED event
+        self._stream_status_interval = 1.0
+        self.status_delay = status_delay
+        self._status_due: dict[tuple[str, Key], float] = {}
+        self._stream_patched_at: dict[Key, float] = {}
         self._pod_lookups: set[Key] = set()
 
     # ------------------------------------------------------------ lifecycle
@@ -141,6 +146,7 @@ class Reconciler:
         now = time.monotonic()
         if event_type == "DELETED":
             self._freed.discard(info.uid)
+            self._status_due.pop(("object", info.key), None)
             self.enqueue(self.ledger.remove_object(info))
         else:
             self.enqueue(self.ledger.upsert_object(info, now))
@@ -148,6 +154,8 @@ class Reconciler:
     def on_claim(self, event_type: str | None, raw: dict) -> None:
         info = parse_claim(raw)
         now = time.monotonic()
+        if event_type == "DELETED":
+            self._status_due.pop(("claim", info.key), None)
         self.enqueue(
             self.ledger.remove_claim(info, now) if event_type == "DELETED" else self.ledger.upsert_claim(info, now)
         )
@@ -300,7 +308,9 @@ class Reconciler:
             raise RetryLater(f"agent at {a.endpoint} unreachable: {exc}") from exc
         acked = time.monotonic()
         # 3. Let the API server finish the deletion.
-        await self._remove_finalizer(GPUOBJECTS, a.key, a.uid)
+        current = self.ledger.objects.get(a.key)
+        known = current.finalizers if current is not None and current.uid == a.uid else None
+        await self._remove_finalizer(GPUOBJECTS, a.key, a.uid, known)
         self._freed.add(a.uid)
         gone_at = self.ledger.ref_gone_at.pop(a.key, started)
         latency = acked - gone_at
@@ -322,15 +332,21 @@ class Reconciler:
         self.metrics.frees.labels("source-lost").inc()
         self._emit("GPUObject", a.key, a.uid, "Normal", "Released", f"nothing to free: {a.reason}")
 
-    async def _remove_finalizer(self, res, key: Key, uid: str) -> None:
+    async def _remove_finalizer(self, res, key: Key, uid: str, known: tuple[str, ...] | None = None) -> None:
+        """Remove gpuobj.io/free, testing uid and position so a concurrent change is never clobbered.
+
+        ``known``: the finalizers the ledger last saw; when still right, no extra GET is needed.
+        """
+        finalizers = list(known) if known else None
         for _ in range(5):
-            try:
-                raw = await self.kube.get(res, key[1], key[0])
-            except NotFound:
-                return
-            if raw["metadata"]["uid"] != uid:
-                return
-            finalizers = raw["metadata"].get("finalizers") or []
+            if finalizers is None:
+                try:
+                    raw = await self.kube.get(res, key[1], key[0])
+                except NotFound:
+                    return
+                if raw["metadata"]["uid"] != uid:
+                    return
+                finalizers = raw["metadata"].get("finalizers") or []
             if names.FINALIZER_FREE not in finalizers:
                 return
             i = finalizers.index(names.FINALIZER_FREE)
@@ -350,7 +366,7 @@ class Reconciler:
             except NotFound:
                 return
             except (Invalid, Conflict):
-                continue  # the list changed under us; read it again
+                finalizers = None  # the list changed under us; read it again
         raise RetryLater(f"could not remove the finalizer of {key[0]}/{key[1]}")
 
     async def _do_DeleteObject(self, a: DeleteObject) -> None:
@@ -362,7 +378,25 @@ class Reconciler:
             self.metrics.lost.inc()
         self._emit("GPUObject", a.key, a.uid, "Normal", a.reason, f"deleted: {a.message}")
 
+    def _status_not_due(self, kind: str, key: Key, urgent: bool) -> bool:
+        """Hold a routine status write back for ``status_delay``: a short-lived object (a stream item,
+        a cycle of put-fetch-release) is usually gone before then and costs the API server nothing.
+        Urgent writes (Lost, Failed) go at once; a held write is re-decided when due, never lost."""
+        if urgent or self.status_delay <= 0:
+            self._status_due.pop((kind, key), None)
+            return False
+        now = time.monotonic()
+        due = self._status_due.setdefault((kind, key), now + self.status_delay)
+        if now < due:
+            self.queue.add_after((kind, key), due - now)
+            return True
+        del self._status_due[(kind, key)]
+        return False
+
     async def _do_PatchObjectStatus(self, a: PatchObjectStatus) -> None:
+        urgent = a.status.get("state") in (names.STATE_LOST, names.STATE_FAILED)
+        if self._status_not_due("object", a.key, urgent):
+            return
         await self._patch_object_status(a.key, a.status)
 
     async def _patch_object_status(self, key: Key, status: dict) -> None:
@@ -373,6 +407,8 @@ class Reconciler:
         self.on_object("MODIFIED", patched)
 
     async def _do_PatchClaimStatus(self, a: PatchClaimStatus) -> None:
+        if self._status_not_due("claim", a.key, a.status.get("state") == "Lost"):
+            return
         try:
             patched = await self.kube.patch(CLAIMS, a.key[1], {"status": a.status}, a.key[0], subresource="status")
         except NotFound:
@@ -403,6 +439,12 @@ class Reconciler:
         self._emit("GPUObjectClaim", a.key, a.uid, "Normal", "HolderGone", a.reason)
 
     async def _do_PatchStreamStatus(self, a: PatchStreamStatus) -> None:
+        # A busy stream changes with every item: write its counters at most once per interval.
+        wait = self._stream_status_interval - (time.monotonic() - self._stream_patched_at.get(a.key, 0.0))
+        if wait > 0:
+            self.queue.add_after(("stream", a.key), wait)
+            return
+        self._stream_patched_at[a.key] = time.monotonic()
         try:
             patched = await self.kube.patch(STREAMS, a.key[1], {"status": a.status}, a.key[0], subresource="status")
         except NotFound:
