@@ -13,6 +13,8 @@ import urllib.request
 from collections import deque
 from pathlib import Path
 
+from gpuobj.testing.processes import terminate
+
 
 class OperatorProcess:
     """`gpuobj operator` in its own process, with its output captured for assertions and failures."""
@@ -115,22 +117,15 @@ class OperatorProcess:
 
     def kill(self) -> None:
         """SIGKILL: the crash case (no lease release, nothing flushed)."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        if self.proc:
+            terminate(self.proc, timeout=10, sig=signal.SIGKILL)
 
     def stop(self, timeout: float = 30) -> int:
         """SIGTERM and wait; returns the exit code."""
         if not self.proc:
             return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-                raise AssertionError(f"operator did not stop within {timeout}s:\n{self.output()}") from None
+        if not terminate(self.proc, timeout):
+            raise AssertionError(f"operator did not stop within {timeout}s:\n{self.output()}")
         if self._reader:
             self._reader.join(timeout=5)
         return self.proc.returncode

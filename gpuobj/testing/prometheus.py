@@ -27,6 +27,7 @@ import yaml
 
 from gpuobj.dev import toolchain
 from gpuobj.observability.scrape import HONOR_LABELS_JOBS, scrape_config
+from gpuobj.testing.processes import terminate
 
 # A vector or matrix result: [{"metric": {...}, "value": [ts, "v"]} | {"metric": {...}, "values": [[ts, "v"], ...]}].
 Result = list[dict[str, Any]]
@@ -168,14 +169,8 @@ class Prometheus:
 
     def _terminate(self, timeout: float = 10) -> None:
         """SIGTERM, wait, SIGKILL on timeout: Prometheus flushes its head block on SIGTERM."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        if self.proc is not None:
+            terminate(self.proc, timeout)
 
     def _cleanup(self) -> None:
         if self._dir is not None:

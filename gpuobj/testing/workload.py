@@ -18,12 +18,15 @@ import json
 import os
 import pickle
 import queue
+import signal
 import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
 from typing import Any
+
+from gpuobj.testing.processes import terminate
 
 BOOTSTRAP = r"""
 import base64, json, os, pickle, sys, traceback
@@ -195,6 +198,5 @@ class WorkloadProcess:
         return self.wait(timeout)
 
     def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        if self.proc:
+            terminate(self.proc, timeout=10, sig=signal.SIGKILL)

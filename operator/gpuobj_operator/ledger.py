@@ -140,7 +140,7 @@ class Emit(Action):
 # ---------------------------------------------------------------- conditions
 
 
-def _condition(
+def condition(
     existing: list[dict], ctype: str, status: str, reason: str, message: str, generation: int, now: str
 ) -> dict:
     """A condition in the API conventions' shape; the transition time moves only when status does."""
@@ -156,7 +156,7 @@ def _condition(
     }
 
 
-def _now_str(now: dt.datetime) -> str:
+def now_str(now: dt.datetime) -> str:
     return now.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -412,7 +412,7 @@ class Ledger:
     def desired_object_status(
         self, obj: ObjectInfo, verdict: SourceVerdict, claims: list[ClaimInfo], now: dt.datetime
     ) -> dict:
-        stamp = _now_str(now)
+        stamp = now_str(now)
         existing = obj.status.get("conditions", [])
         if obj.state == names.STATE_FAILED:
             state = names.STATE_FAILED
@@ -451,8 +451,8 @@ class Ledger:
             "references": refs,
             "claims": len(claims),
             "conditions": [
-                _condition(existing, names.CONDITION_READY, *ready, obj.generation, stamp),
-                _condition(
+                condition(existing, names.CONDITION_READY, *ready, obj.generation, stamp),
+                condition(
                     existing,
                     names.CONDITION_SOURCE_AVAILABLE,
                     "True" if verdict.available else "False",
@@ -510,7 +510,7 @@ class Ledger:
             if not pod.deleted:
                 actions.append(SetClaimOwner(claim.key, claim.uid, pod.name, pod.uid))
         obj = self.objects.get(claim.object_key)
-        stamp = _now_str(now)
+        stamp = now_str(now)
         existing = claim.status.get("conditions", [])
         if obj is None or (claim.object_uid and obj.uid != claim.object_uid):
             lost = claim.status.get("state") in ("Bound", "Lost")
@@ -521,7 +521,7 @@ class Ledger:
             )
             desired = {
                 "state": state,
-                "conditions": [_condition(existing, "Bound", "False", reason, message, 1, stamp)],
+                "conditions": [condition(existing, "Bound", "False", reason, message, 1, stamp)],
             }
             if claim.status.get("objectUID"):
                 desired["objectUID"] = claim.status["objectUID"]
@@ -539,7 +539,7 @@ class Ledger:
                 "bytes": obj.bytes,
                 "sourcePod": obj.source_pod,
                 "conditions": [
-                    _condition(existing, "Bound", "True" if state == "Bound" else "False", reason, message, 1, stamp)
+                    condition(existing, "Bound", "True" if state == "Bound" else "False", reason, message, 1, stamp)
                 ],
             }
         desired["observedGeneration"] = 1

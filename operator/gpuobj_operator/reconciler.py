@@ -36,6 +36,8 @@ from gpuobj_operator.ledger import (
     PatchStreamStatus,
     ReleaseWithoutFree,
     SetClaimOwner,
+    condition,
+    now_str,
 )
 from gpuobj_operator.metrics import OperatorMetrics
 from gpuobj_operator.model import Key, PodInfo, parse_claim, parse_object, parse_pod, parse_stream
@@ -586,12 +588,8 @@ class Reconciler:
         return total
 
 
-def _cond(ctype: str, status: str, reason: str, message: str, generation: int) -> dict:
-    return {
-        "type": ctype,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "observedGeneration": generation,
-        "lastTransitionTime": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
+def _cond(
+    ctype: str, status: str, reason: str, message: str, generation: int, existing: list[dict] | None = None
+) -> dict:
+    """A condition stamped now (the ledger's builder: one shape for every condition gpuobj writes)."""
+    return condition(existing or [], ctype, status, reason, message, generation, now_str(dt.datetime.now(dt.UTC)))
