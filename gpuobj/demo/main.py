@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import Any
 
@@ -203,13 +204,11 @@ class Demo:
             }
             with ThreadPoolExecutor(3) as pool:
                 futures = {name: pool.submit(self.workloads[name].eval, expr, 300) for name, expr in calls.items()}
-                shown = False
-                while not all(f.done() for f in futures.values()):
-                    if not shown and futures["producer-0"].done():
-                        self.show_objects("mid-stream: items not yet consumed are alive")
-                        shown = True
-                    time.sleep(0.2)
-                results = {name: f.result() for name, f in futures.items()}
+                # Once the producer is done, the items not yet consumed are visible in the API.
+                futures_wait([futures["producer-0"]], timeout=300)
+                if not all(f.done() for f in futures.values()):
+                    self.show_objects("mid-stream: items not yet consumed are alive")
+                results = {name: f.result(timeout=300) for name, f in futures.items()}
             consumed = results["consumer-0"]
             self.report["objects"] += 2 * n
             self.report["wrong_items"] = consumed["wrong"]

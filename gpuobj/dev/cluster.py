@@ -57,10 +57,16 @@ class ClusterState:
         return f"https://127.0.0.1:{self.apiserver_port}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (held open together, so the kernel cannot hand one out twice)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -128,24 +134,39 @@ class DevCluster:
 
     # ------------------------------------------------------------ up
 
-    def up(self, timeout: float = 120.0) -> ClusterState:
-        """Start the control plane; harmless when it already runs."""
+    def up(self, timeout: float = 120.0, attempts: int = 3) -> ClusterState:
+        """Start the control plane; harmless when it already runs.
+
+        Ports are picked free just before use, yet another process on the machine can take one
+        in between: a component that dies of "address already in use" is retried on new ports.
+        """
         existing = self.running()
         if existing:
             self.log(f"dev cluster already up at {existing.server}")
             return existing
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._up_once(timeout)
+            except DevClusterError as exc:
+                if attempt == attempts or "address already in use" not in str(exc):
+                    raise
+                self.log(f"a port was taken meanwhile; starting again ({str(exc).splitlines()[0]})")
+        raise AssertionError("unreachable")
+
+    def _up_once(self, timeout: float) -> ClusterState:
         if self.state_dir.exists():
             self.down(quiet=True)
         binaries = toolchain.ensure(["etcd", "kubernetes"])
         started = time.monotonic()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
+        etcd_client, etcd_peer, apiserver, kcm = _free_ports(4)
         state = ClusterState(
             state_dir=str(self.state_dir),
-            etcd_client_port=_free_port(),
-            etcd_peer_port=_free_port(),
-            apiserver_port=_free_port(),
-            kcm_port=_free_port(),
+            etcd_client_port=etcd_client,
+            etcd_peer_port=etcd_peer,
+            apiserver_port=apiserver,
+            kcm_port=kcm,
             started_at=time.time(),
         )
         self._write_pki_and_kubeconfigs(state)
@@ -320,9 +341,9 @@ class DevCluster:
                 return
             pid = state.pids.get(component) if state else None
             if pid and not _pid_alive(pid):
-                raise DevClusterError(
-                    f"{component} exited while waiting for {what}; see {self.logs / (component + '.log')}"
-                )
+                log = self.logs / (component + ".log")
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:]) if log.is_file() else ""
+                raise DevClusterError(f"{component} exited while waiting for {what}; see {log}\n{tail}")
             time.sleep(0.1)
         raise DevClusterError(
             f"timed out after {timeout:.0f}s waiting for {what}; see {self.logs / (component + '.log')}"

@@ -7,7 +7,6 @@ any agent, NIXL registrations back to zero.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -16,6 +15,7 @@ from gpuobj.kube.client import CLAIMS, GPUOBJECTS, wait_for
 from gpuobj.testing import agent_http
 from gpuobj.testing.cluster import ClusterHandle
 from gpuobj.testing.operator import OperatorProcess
+from tests.agent.conftest import wait_until
 from tests.operator.conftest import Pods, kube
 
 pytestmark = pytest.mark.nixl
@@ -54,9 +54,7 @@ def test_put_share_fetch_release_frees_on_the_source(
     shared = src.eval_pickle("client.share(ref, 'reader')")
     reader.run(f"h = client.adopt(load_pickle({shared!r})); got = client.fetch(h)[0]")
     assert reader.eval(f"bool(torch.equal(got, {ARANGE.format(n=1 << 18)}))")
-    ready = wait_object(
-        gpuobj_cluster, namespace, "weights", lambda o: state(o) == "Ready" and refs(o) == 2
-    )
+    ready = wait_object(gpuobj_cluster, namespace, "weights", lambda o: state(o) == "Ready" and refs(o) == 2)
     assert ready["status"]["bytes"] == 4 << 18 and ready["status"]["claims"] == 1
 
     src.run("ref.release()")  # the owner's reference goes; the reader's claim holds the bytes
@@ -148,9 +146,9 @@ def test_orphan_in_an_agent_is_counted_as_leaked_then_reclaimed_with_an_event(
     # Bytes in the store that no GPUObject describes: what a crash between put and create leaves.
     src.run("client.agent.put('o-orphan', [torch.zeros(1 << 16)])")
     labels = {"namespace": namespace, "pod": "src"}
-    _wait_until(lambda: operator.metric("gpuobj_leaked_bytes", labels) == 4 << 16, timeout=30)
-    _wait_until(lambda: agent_http.inventory(pods.endpoint("src"), token_file)["objects"] == [], timeout=30)
-    _wait_until(lambda: operator.metric("gpuobj_leaked_bytes", labels) == 0, timeout=30)
+    wait_until(lambda: operator.metric("gpuobj_leaked_bytes", labels) == 4 << 16, "leaked bytes counted")
+    wait_until(lambda: agent_http.inventory(pods.endpoint("src"), token_file)["objects"] == [], "orphan reclaimed")
+    wait_until(lambda: operator.metric("gpuobj_leaked_bytes", labels) == 0, "leaked bytes back to 0")
     assert operator.metric("gpuobj_reclaimed_bytes_total", {"namespace": namespace}) == 4 << 16
     reclaimed = json.loads(
         gpuobj_cluster.kubectl(
@@ -159,12 +157,3 @@ def test_orphan_in_an_agent_is_counted_as_leaked_then_reclaimed_with_an_event(
     )["items"]
     assert len(reclaimed) == 1 and "o-orphan" in reclaimed[0]["message"]
     agent_http.assert_holds_nothing(pods.endpoint("src"), token_file)
-
-
-def _wait_until(check, timeout: float) -> None:
-    """Poll a cheap local check (an agent's or the operator's HTTP endpoint) until it holds, with a deadline."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(0.05)

@@ -15,8 +15,9 @@ from gpuobj.kube.client import GPUOBJECTS
 from gpuobj.testing import agent_http
 from gpuobj.testing.cluster import ClusterHandle
 from gpuobj.testing.operator import OperatorProcess
+from tests.agent.conftest import wait_until
 from tests.operator.conftest import Pods, kube
-from tests.operator.test_lifecycle import _wait_until, assert_api_empty, wait_object
+from tests.operator.test_lifecycle import assert_api_empty, wait_object
 
 pytestmark = pytest.mark.nixl
 
@@ -106,10 +107,10 @@ def test_seed_003_late_reports_failed_writes_and_stream_deletion_leave_nothing(
     producer.run("client.agent.put('o-unreported', [torch.ones(64)], stream='tokens', stream_index=6)")
     # Deleting the stream frees every item: reported and unconsumed (3, 4) and unreported alike.
     consumer.run("client.delete_stream('tokens')")
-    _wait_until(lambda: agent_http.inventory(pods.endpoint("producer"), token_file)["objects"] == [], timeout=30)
+    wait_until(lambda: agent_http.inventory(pods.endpoint("producer"), token_file)["objects"] == [], "items freed")
     agent_http.assert_holds_nothing(pods.endpoint("producer"), token_file)
     agent_http.assert_holds_nothing(pods.endpoint("consumer"), token_file)
-    _wait_until(lambda: gpuobj_cluster.kubectl("get", "gpuobj", "-n", namespace, "-o", "name").stdout == "", timeout=30)
+    wait_until(lambda: gpuobj_cluster.kubectl("get", "gpuobj", "-n", namespace, "-o", "name").stdout == "", "API empty")
     assert_api_empty(gpuobj_cluster, namespace)
 
 
