@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import re
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterable
@@ -45,11 +47,18 @@ def run(tool: str, *args: str, check: bool = True, input: str | None = None) -> 
     return proc
 
 
+_VALUES_DIR: list[Path] = []
+
+
 def values_file(values: dict | None) -> list[str]:
-    """`-f <file>` for a values dict (an empty list for none). The file lives until the process exits."""
+    """`-f <file>` for a values dict (an empty list for none). The files live in one temporary
+    folder that is removed when the test process exits."""
     if not values:
         return []
-    f = tempfile.NamedTemporaryFile("w", prefix="gpuobj-values-", suffix=".yaml", delete=False)  # noqa: SIM115
+    if not _VALUES_DIR:
+        _VALUES_DIR.append(Path(tempfile.mkdtemp(prefix="gpuobj-values-")))
+        atexit.register(shutil.rmtree, _VALUES_DIR[0], True)
+    f = tempfile.NamedTemporaryFile("w", dir=_VALUES_DIR[0], suffix=".yaml", delete=False)  # noqa: SIM115
     with f:
         yaml.safe_dump(values, f)
     return ["-f", f.name]
