@@ -232,12 +232,6 @@ class Client:
             spec["stream"] = {"name": stream_name, "index": index}
         return {"metadata": meta, "spec": spec}
 
-    async def _agent_put(self, object_id: str, tensors: list, **kw) -> None:
-        await asyncio.to_thread(self.agent.put, object_id, tensors, **kw)
-
-    async def _agent_free(self, object_id: str) -> None:
-        await asyncio.to_thread(self.agent.free, object_id)
-
     async def aput_inner(
         self,
         tensors: Any,
@@ -251,7 +245,7 @@ class Client:
         name = name or f"{self.pod_name}-{object_id[2:12]}"
         layouts = tuple(layout_of(t) for t in tensors)
         stream_kw = {"stream": stream[0], "stream_index": stream[1]} if stream else {}
-        await self._agent_put(object_id, tensors, **stream_kw)
+        await self.agent.aput(object_id, tensors, **stream_kw)
         try:
             created = await self._kube.create(
                 GPUOBJECTS, self.object_body(name, object_id, layouts, labels=labels, stream=stream), self.namespace
@@ -259,7 +253,7 @@ class Client:
         except BaseException:
             # The write failed: nothing in the API references these bytes, so free them now (seed 003).
             with contextlib.suppress(Exception):
-                await self._agent_free(object_id)
+                await self.agent.afree(object_id)
             raise
         address = ObjectAddress(
             self.namespace, name, created["metadata"]["uid"], object_id, self.pod_name, self.agent.endpoint, layouts
@@ -269,8 +263,9 @@ class Client:
     async def afetch_inner(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
         address = ref.address if isinstance(ref, ObjectRef) else ref
         try:
-            return await asyncio.to_thread(
-                self.agent.fetch, address.source_endpoint, address.object_id, device=device, token=self._token()
+            # The runtime's async API runs on the agent's own loop: no thread is blocked waiting.
+            return await self.agent.afetch(
+                address.source_endpoint, address.object_id, device=device, token=self._token()
             )
         except Exception as exc:
             # Say why: a Lost object (source gone) reads differently from a freed one.

@@ -115,6 +115,18 @@ class OperatorProcess:
                     total += sample.value
         return total
 
+    def wait_metric(self, name: str, labels: dict[str, str] | None, value: float, timeout: float = 30) -> None:
+        """Wait until ``metric(name, labels) == value``.
+
+        The operator counts a free once the finalizer is off, so a watcher can see the object
+        gone a moment before the counter moves: wait for the figure instead of reading it once.
+        """
+        deadline = time.monotonic() + timeout
+        while (seen := self.metric(name, labels)) != value:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name}{labels or ''} is {seen}, not {value}, after {timeout}s")
+            time.sleep(0.02)
+
     def kill(self) -> None:
         """SIGKILL: the crash case (no lease release, nothing flushed)."""
         if self.proc:

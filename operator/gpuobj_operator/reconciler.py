@@ -373,9 +373,13 @@ class Reconciler:
 
     async def _do_DeleteObject(self, a: DeleteObject) -> None:
         try:
-            await self.kube.delete(GPUOBJECTS, a.key[1], a.key[0], uid=a.uid)
+            response = await self.kube.delete(GPUOBJECTS, a.key[1], a.key[0], uid=a.uid)
         except (NotFound, Conflict):
             return
+        if response.get("kind") == "GPUObject" and response.get("metadata", {}).get("deletionTimestamp"):
+            # The finalizer holds it: take the answer as news, so a reconcile that runs before the
+            # watch event arrives does not delete (and count, and announce) the object twice.
+            self.on_object("MODIFIED", response)
         if a.reason == "Lost":
             self.metrics.lost.inc()
         self._emit("GPUObject", a.key, a.uid, "Normal", a.reason, f"deleted: {a.message}")

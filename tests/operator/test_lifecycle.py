@@ -65,7 +65,7 @@ def test_put_share_fetch_release_frees_on_the_source(
     wait_object(gpuobj_cluster, namespace, "weights", lambda o: o is None)
     agent_http.assert_holds_nothing(pods.endpoint("src"), token_file)
     agent_http.assert_holds_nothing(pods.endpoint("reader"), token_file)
-    assert operator.metric("gpuobj_frees_total", {"result": "freed"}) == 1
+    operator.wait_metric("gpuobj_frees_total", {"result": "freed"}, 1)
     assert operator.metric("gpuobj_free_latency_seconds_count") == 1
     assert_api_empty(gpuobj_cluster, namespace)
 
@@ -135,7 +135,7 @@ def test_source_pod_deleted_makes_objects_lost_fetch_fails_clearly_then_cleaned_
     assert "is Lost" in outcome and "src" in outcome, outcome
     reader.run("h.release()")  # the last claim: the Lost object is cleaned up without a free
     wait_object(gpuobj_cluster, namespace, "activations", lambda o: o is None)
-    assert operator.metric("gpuobj_frees_total", {"result": "source-lost"}) == 1
+    operator.wait_metric("gpuobj_frees_total", {"result": "source-lost"}, 1)
     assert_api_empty(gpuobj_cluster, namespace)
 
 

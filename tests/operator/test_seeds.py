@@ -48,8 +48,8 @@ def test_seed_000_metadata_is_gone_everywhere_and_a_repeated_free_is_a_noop(
         answers = list(pool.map(lambda _: _free(pods.endpoint("src"), object_id, token_file), range(4)))
     assert all(code == 200 and body["freed"] is False for code, body in answers), answers
     # Nothing about the object remains: not in the operator, not in either agent, not in the API.
-    assert sum(operator.metric("gpuobj_objects", {"state": s}) for s in ("Pending", "Ready", "Releasing", "Lost")) == 0
-    assert operator.metric("gpuobj_claims") == 0
+    operator.wait_metric("gpuobj_objects", None, 0)  # every state
+    operator.wait_metric("gpuobj_claims", None, 0)
     agent_http.assert_holds_nothing(pods.endpoint("src"), token_file)
     agent_http.assert_holds_nothing(pods.endpoint("reader"), token_file)
     assert_api_empty(gpuobj_cluster, namespace)
