@@ -58,7 +58,9 @@ class OperatorMetrics:
         self.free_failures = Counter(
             m.FREE_FAILURES.removesuffix("_total"), "Free attempts that failed", ["reason"], registry=r
         )
-        self.lost = Counter(m.LOST_OBJECTS.removesuffix("_total"), "GPUObjects that became Lost", registry=r)
+        self.lost = Counter(
+            m.LOST_OBJECTS.removesuffix("_total"), "GPUObjects that became Lost (source gone first)", registry=r
+        )
         self.audits = Counter(m.AUDIT_RUNS.removesuffix("_total"), "Agent inventory audits", ["result"], registry=r)
         self.leader = Gauge(m.OPERATOR_LEADER, "1 while this replica holds the leader lease", registry=r)
         self._leak_series: set[tuple[str, str]] = set()

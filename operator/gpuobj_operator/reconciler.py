@@ -380,8 +380,6 @@ class Reconciler:
             # The finalizer holds it: take the answer as news, so a reconcile that runs before the
             # watch event arrives does not delete (and count, and announce) the object twice.
             self.on_object("MODIFIED", response)
-        if a.reason == "Lost":
-            self.metrics.lost.inc()
         self._emit("GPUObject", a.key, a.uid, "Normal", a.reason, f"deleted: {a.message}")
 
     def _status_not_due(self, kind: str, key: Key, urgent: bool) -> bool:
@@ -406,10 +404,13 @@ class Reconciler:
         await self._patch_object_status(a.key, a.status)
 
     async def _patch_object_status(self, key: Key, status: dict) -> None:
+        before = self.ledger.objects.get(key)
         try:
             patched = await self.kube.patch(GPUOBJECTS, key[1], {"status": status}, key[0], subresource="status")
         except NotFound:
             return
+        if status.get("state") == names.STATE_LOST and (before is None or before.state != names.STATE_LOST):
+            self.metrics.lost.inc()  # counted where it becomes Lost in the API: once, across restarts
         self.on_object("MODIFIED", patched)
 
     async def _do_PatchClaimStatus(self, a: PatchClaimStatus) -> None:

@@ -136,6 +136,7 @@ def test_source_pod_deleted_makes_objects_lost_fetch_fails_clearly_then_cleaned_
     reader.run("h.release()")  # the last claim: the Lost object is cleaned up without a free
     wait_object(gpuobj_cluster, namespace, "activations", lambda o: o is None)
     operator.wait_metric("gpuobj_frees_total", {"result": "source-lost"}, 1)
+    assert operator.metric("gpuobj_lost_objects_total") == 1  # deleted once, however many passes ran
     assert_api_empty(gpuobj_cluster, namespace)
 
 
