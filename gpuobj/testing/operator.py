@@ -14,6 +14,7 @@ from collections import deque
 from pathlib import Path
 
 from gpuobj.testing.processes import terminate
+from gpuobj.testing.waits import wait_until
 
 
 class OperatorProcess:
@@ -121,11 +122,7 @@ class OperatorProcess:
         The operator counts a free once the finalizer is off, so a watcher can see the object
         gone a moment before the counter moves: wait for the figure instead of reading it once.
         """
-        deadline = time.monotonic() + timeout
-        while (seen := self.metric(name, labels)) != value:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{name}{labels or ''} is {seen}, not {value}, after {timeout}s")
-            time.sleep(0.02)
+        wait_until(lambda: self.metric(name, labels) == value, f"{name}{labels or ''} == {value}", timeout, 0.02)
 
     def kill(self) -> None:
         """SIGKILL: the crash case (no lease release, nothing flushed)."""

@@ -9,12 +9,12 @@ until the agent stops; stopping asserts that every registration was undone.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from gpuobj.testing.waits import wait_until
 from gpuobj_agent.auth import TokenFile
 from gpuobj_agent.config import AgentConfig
 from gpuobj_agent.runtime import AgentRuntime
@@ -23,18 +23,6 @@ from gpuobj_agent.testing import AgentProcess
 TOKEN = "test-token-0123456789"
 
 logging.getLogger("nixl").setLevel(logging.WARNING)
-
-
-def wait_until(predicate: Callable[[], Any], what: str, timeout: float = 30.0, interval: float = 0.01) -> Any:
-    """Poll a condition (never a fixed sleep); fail with `what` if it does not hold in time."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
 
 
 def assert_nothing_held(stats: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from gpuobj.testing.waits import wait_until
 from gpuobj_agent.errors import (
     BadRequest,
     Conflict,
@@ -20,7 +21,7 @@ from gpuobj_agent.errors import (
 from gpuobj_agent.layouts import TensorLayout
 from gpuobj_agent.testing import digest, make_tensors
 
-from .conftest import TOKEN, settle, wait_until
+from .conftest import TOKEN, settle
 
 pytestmark = pytest.mark.nixl
 

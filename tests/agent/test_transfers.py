@@ -6,10 +6,11 @@ import threading
 
 import pytest
 
+from gpuobj.testing.waits import wait_until
 from gpuobj_agent.layouts import DTYPES, TensorLayout
 from gpuobj_agent.testing import AgentProcess
 
-from .conftest import TOKEN, settle, wait_until
+from .conftest import TOKEN, settle
 
 pytestmark = pytest.mark.nixl
 

@@ -15,7 +15,7 @@ from gpuobj.kube.client import CLAIMS, GPUOBJECTS, wait_for
 from gpuobj.testing import agent_http
 from gpuobj.testing.cluster import ClusterHandle
 from gpuobj.testing.operator import OperatorProcess
-from tests.agent.conftest import wait_until
+from gpuobj.testing.waits import wait_until
 from tests.operator.conftest import Pods, kube
 
 pytestmark = pytest.mark.nixl
