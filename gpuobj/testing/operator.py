@@ -122,7 +122,16 @@ class OperatorProcess:
         The operator counts a free once the finalizer is off, so a watcher can see the object
         gone a moment before the counter moves: wait for the figure instead of reading it once.
         """
-        wait_until(lambda: self.metric(name, labels) == value, f"{name}{labels or ''} == {value}", timeout, 0.02)
+        seen: list[float] = []
+
+        def reached() -> bool:
+            seen.append(self.metric(name, labels))
+            return seen[-1] == value
+
+        try:
+            wait_until(reached, f"{name}{labels or ''} == {value}", timeout, 0.02)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; last seen {seen[-1]}") from None
 
     def kill(self) -> None:
         """SIGKILL: the crash case (no lease release, nothing flushed)."""

@@ -329,15 +329,21 @@ class Reconciler:
         self._emit("GPUObject", a.key, a.uid, "Normal", "Freed", message)
 
     async def _do_ReleaseWithoutFree(self, a: ReleaseWithoutFree) -> None:
-        await self._remove_finalizer(GPUOBJECTS, a.key, a.uid)
+        if a.uid in self._freed:
+            return  # released already; the DELETED event is on its way
+        removed = await self._remove_finalizer(GPUOBJECTS, a.key, a.uid)
+        self._freed.add(a.uid)
         self.ledger.ref_gone_at.pop(a.key, None)
+        if not removed:
+            return  # it was gone already: nothing to count or announce
         self.metrics.frees.labels("source-lost").inc()
         self._emit("GPUObject", a.key, a.uid, "Normal", "Released", f"nothing to free: {a.reason}")
 
-    async def _remove_finalizer(self, res, key: Key, uid: str, known: tuple[str, ...] | None = None) -> None:
+    async def _remove_finalizer(self, res, key: Key, uid: str, known: tuple[str, ...] | None = None) -> bool:
         """Remove gpuobj.io/free, testing uid and position so a concurrent change is never clobbered.
 
         ``known``: the finalizers the ledger last saw; when still right, no extra GET is needed.
+        Returns whether this call removed it (False: the object or the finalizer was gone already).
         """
         finalizers = list(known) if known else None
         for _ in range(5):
@@ -345,12 +351,12 @@ class Reconciler:
                 try:
                     raw = await self.kube.get(res, key[1], key[0])
                 except NotFound:
-                    return
+                    return False
                 if raw["metadata"]["uid"] != uid:
-                    return
+                    return False
                 finalizers = raw["metadata"].get("finalizers") or []
             if names.FINALIZER_FREE not in finalizers:
-                return
+                return False
             i = finalizers.index(names.FINALIZER_FREE)
             try:
                 await self.kube.patch(
@@ -364,9 +370,9 @@ class Reconciler:
                     key[0],
                     patch_type="json",
                 )
-                return
+                return True
             except NotFound:
-                return
+                return False
             except (Invalid, Conflict):
                 finalizers = None  # the list changed under us; read it again
         raise RetryLater(f"could not remove the finalizer of {key[0]}/{key[1]}")
