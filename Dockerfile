@@ -3,9 +3,10 @@
 #   docker build --target operator -t ghcr.io/gpuobj/gpuobj-operator:0.1.0 .   # ENTRYPOINT gpuobj operator
 #   docker build --target agent    -t ghcr.io/gpuobj/gpuobj-agent:0.1.0 .      # ENTRYPOINT gpuobj agent
 #
-# Stages: `builder` builds the gpuobj wheel (pyproject.toml; packages gpuobj, gpuobj_agent from agent/,
-# gpuobj_operator from operator/) and the operator's virtualenv; `agent-builder` installs the wheel with
-# all its pinned dependencies (torch, NIXL, ...) into the agent's virtualenv on the CUDA base. The final
+# Stages: `builder` builds the gpuobj wheel (pyproject.toml; packages gpuobj, gpuobj_contract from
+# contract/, gpuobj_kube from kube/, gpuobj_agent from agent/, gpuobj_operator from operator/; never the
+# dev tooling in dev/) and the operator's virtualenv (the wheel's `operator` extra); `agent-builder`
+# installs the wheel's `agent` extra (torch, NIXL, ...) into the agent's virtualenv on the CUDA base. The final
 # stages copy a virtualenv and add nothing else: no compilers, no build tools, no pip cache, a numeric
 # non-root user. Python dependency pins live in pyproject.toml only; base images are pinned here, by
 # exact tag (tests/deploy/test_dockerfile.py checks all of this statically).
@@ -26,15 +27,15 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY gpuobj ./gpuobj
+COPY contract ./contract
+COPY kube ./kube
 COPY agent ./agent
 COPY operator ./operator
 RUN python -m pip wheel --no-deps --wheel-dir /dist .
-# The operator never imports the data plane (torch, nixl, numpy; tests/deploy checks that), so its
-# venv gets pyproject.toml's pinned dependencies without them, and the wheel without dependencies.
-RUN python -c "import re, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if re.split(r'[<>=!~ ;\[]', d, maxsplit=1)[0].lower() not in {'torch', 'nixl', 'numpy'}))" > /tmp/operator-requirements.txt \
- && python -m venv /opt/gpuobj \
- && /opt/gpuobj/bin/pip install --no-cache-dir -r /tmp/operator-requirements.txt \
- && /opt/gpuobj/bin/pip install --no-cache-dir --no-deps /dist/gpuobj-*.whl \
+# The operator never imports the data plane (torch, nixl, numpy; tests/deploy checks that): its venv
+# gets the wheel's `operator` extra, whose dependencies pyproject.toml pins.
+RUN python -m venv /opt/gpuobj \
+ && /opt/gpuobj/bin/pip install --no-cache-dir "$(ls /dist/gpuobj-*.whl)[operator]" \
  && /opt/gpuobj/bin/python -m pip uninstall --yes pip \
  && /opt/gpuobj/bin/gpuobj operator --help > /dev/null
 
@@ -49,7 +50,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=builder /dist /dist
 RUN python3 -m venv /opt/gpuobj \
- && /opt/gpuobj/bin/pip install --no-cache-dir /dist/gpuobj-*.whl \
+ && /opt/gpuobj/bin/pip install --no-cache-dir "$(ls /dist/gpuobj-*.whl)[agent]" \
  && /opt/gpuobj/bin/python -m pip uninstall --yes pip \
  && /opt/gpuobj/bin/gpuobj agent --help > /dev/null
 

@@ -7,15 +7,16 @@ TOOLS ?= etcd kubernetes helm prometheus
 .PHONY: setup demo test test-unit lint toolchain dev-cluster-up dev-cluster-down bench dashboard clean
 
 setup:
-	@$(PYTHON) -m gpuobj.dev.pyenv
-	@$(PYTHON) -m gpuobj.dev.toolchain ensure $(TOOLS)
+	@PYTHONPATH=dev $(PYTHON) -m gpuobj_dev.pyenv
+	@PYTHONPATH=dev $(PYTHON) -m gpuobj_dev.toolchain ensure $(TOOLS)
 
 demo: setup
-	@$(VENV) -m gpuobj.cli demo $(DEMO_ARGS)
+	@$(VENV) -m gpuobj_dev.cli demo $(DEMO_ARGS)
 
 # pytest exits 5 when it collects nothing: say so rather than fail obscurely.
 test: setup
 	@$(VENV) -m ruff check .
+	@$(VENV) -c "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
 	@$(VENV) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 
@@ -27,27 +28,27 @@ lint: setup
 	@$(VENV) -m ruff format --check .
 
 toolchain:
-	@$(PYTHON) -m gpuobj.dev.toolchain ensure $(TOOLS)
+	@PYTHONPATH=dev $(PYTHON) -m gpuobj_dev.toolchain ensure $(TOOLS)
 
 dev-cluster-up: setup
-	@$(VENV) -m gpuobj.cli dev-cluster up
+	@$(VENV) -m gpuobj_dev.cli dev-cluster up
 
 dev-cluster-down:
-	@$(VENV) -m gpuobj.cli dev-cluster down
+	@$(VENV) -m gpuobj_dev.cli dev-cluster down
 
 # Benchmarks print tables with ratios against baselines (raw NIXL, memcpy, Ray RDT). Ray is large and
 # only a baseline: it goes into its own cached folder, on PYTHONPATH for the benchmarks alone.
 RAY_DIR := $(HOME)/.cache/gpuobj/bench/ray-2.60.0
 bench: setup
-	@test -f $(RAY_DIR)/.complete || ($(VENV) -m pip --version >/dev/null 2>&1 && PIP="$(VENV) -m pip" || PIP="$$($(PYTHON) -m gpuobj.dev.pyenv --print-shared)/bin/python -m pip"; \
+	@test -f $(RAY_DIR)/.complete || ($(VENV) -m pip --version >/dev/null 2>&1 && PIP="$(VENV) -m pip" || PIP="$$(PYTHONPATH=dev $(PYTHON) -m gpuobj_dev.pyenv --print-shared)/bin/python -m pip"; \
 	  $$PIP install --quiet --target $(RAY_DIR) "ray==2.60.0" && touch $(RAY_DIR)/.complete)
 	@PYTHONPATH=$(RAY_DIR) $(VENV) bench/fetch_throughput.py
 	@PYTHONPATH=$(RAY_DIR) $(VENV) bench/lifecycle.py
 
 # Regenerate the committed dashboard JSON and alert rules from Python (tests check they are current).
 dashboard: setup
-	@$(VENV) -m gpuobj.observability.dashboard --write
-	@$(VENV) -m gpuobj.observability.rules --write
+	@$(VENV) -m gpuobj_dev.observability.dashboard --write
+	@$(VENV) -m gpuobj_dev.observability.rules --write
 
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache

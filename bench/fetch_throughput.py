@@ -1,6 +1,6 @@
 """Fetch throughput: gpuobj fetch vs raw NIXL vs a local torch copy (and Ray RDT if installed).
 
-Two processes: a source agent (a `gpuobj_agent.testing` workload process holding the
+Two processes: a source agent (a `gpuobj_dev.testing.agent_workload` workload process holding the
 objects) and this process, which runs an embedded agent and reads from the source.
 For each size it measures, all between the same two processes:
 - torch copy: `dst.copy_(src)` in this process, the memory-bandwidth ceiling;
@@ -36,7 +36,7 @@ from gpuobj_agent.config import AgentConfig
 from gpuobj_agent.layouts import TensorLayout
 from gpuobj_agent.nixl_transport import NixlAgent
 from gpuobj_agent.runtime import AgentRuntime
-from gpuobj_agent.testing import AgentProcess
+from gpuobj_dev.testing.agent_workload import AgentProcess
 
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "B": 1}
 

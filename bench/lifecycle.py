@@ -24,11 +24,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gpuobj.dev.cluster import DevCluster  # noqa: E402
-from gpuobj.testing.cluster import ClusterHandle  # noqa: E402
-from gpuobj.testing.operator import OperatorProcess  # noqa: E402
-from gpuobj.testing.pods import create_agent_pod  # noqa: E402
-from gpuobj.testing.workload import WorkloadProcess, free_port  # noqa: E402
+from gpuobj_dev.cluster import DevCluster  # noqa: E402
+from gpuobj_dev.testing.cluster import ClusterHandle  # noqa: E402
+from gpuobj_dev.testing.operator import OperatorProcess  # noqa: E402
+from gpuobj_dev.testing.pods import create_agent_pod  # noqa: E402
+from gpuobj_dev.testing.workload import WorkloadProcess, free_port  # noqa: E402
 
 NAMESPACE = "gpuobj-bench"
 

@@ -9,7 +9,7 @@ Workloads use the client library::
     ...
     tensors = other_client.fetch(other_client.adopt(shared))
 
-Names are imported lazily so that `gpuobj dev-cluster` does not import torch.
+Names are imported lazily so that `gpuobj operator` does not import torch.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The `gpuobj` command line: one entry point, a subcommand per part.
+"""The `gpuobj` command line: what a workload or an image runs (a standalone agent, the operator).
 
-Subcommands import their part lazily so that `gpuobj dev-cluster status` does not
-pay for importing torch and NIXL.
+Subcommands import their part lazily so that `gpuobj operator` does not pay for importing
+torch and NIXL. Developer tools (dev control plane, demo) are `gpuobj-dev`, in a checkout only.
 """
 
 from __future__ import annotations
@@ -9,60 +9,17 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from pathlib import Path
 
 # subcommand -> (module with `main(argv) -> int`, help)
 DELEGATED = {
     "agent": ("gpuobj_agent.main", "run a standalone gpuobj agent (object store, NIXL, control server)"),
     "operator": ("gpuobj_operator.main", "run the gpuobj operator (kopf)"),
-    "demo": ("gpuobj.demo.main", "run the end-to-end demo on the dev control plane"),
-    "toolchain": ("gpuobj.dev.toolchain", "build or locate the cached control-plane binaries"),
 }
 
 
-def _dev_cluster(args: argparse.Namespace) -> int:
-    from gpuobj.dev.cluster import DevCluster, DevClusterError
-
-    cluster = DevCluster(Path(args.state_dir))
-    try:
-        if args.action == "up":
-            state = cluster.up(timeout=args.timeout)
-            env = cluster.env()
-            print(f"kubeconfig: {cluster.kubeconfig}")
-            print(f"logs:       {cluster.logs}/{{etcd,kube-apiserver,kube-controller-manager}}.log")
-            print("use it:")
-            print(f'  eval "$(gpuobj dev-cluster env)"   # or: export KUBECONFIG={env["KUBECONFIG"]}')
-            print("  kubectl get ns")
-            print(f"stop it:    gpuobj dev-cluster down   (API server {state.server})")
-        elif args.action == "down":
-            cluster.down()
-        elif args.action == "status":
-            print("\n".join(cluster.status_lines()))
-            return 0 if cluster.running() else 3
-        elif args.action == "env":
-            if not cluster.load_state():
-                print("error: dev cluster is not running; start it with `gpuobj dev-cluster up`", file=sys.stderr)
-                return 3
-            for key, value in cluster.env().items():
-                print(f"export {key}={value}")
-    except DevClusterError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from gpuobj.dev.cluster import DEFAULT_STATE_DIR
-
     parser = argparse.ArgumentParser(prog="gpuobj", description="GPU tensor objects shared between Kubernetes pods")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    dev = sub.add_parser(
-        "dev-cluster", help="a real control plane (etcd, kube-apiserver, kube-controller-manager) on loopback"
-    )
-    dev.add_argument("action", choices=["up", "down", "status", "env"])
-    dev.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR), help="where certificates, data and logs live")
-    dev.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each component to become ready")
-    dev.set_defaults(func=_dev_cluster)
     for name, (_, help_text) in DELEGATED.items():
         p = sub.add_parser(name, help=help_text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -74,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in DELEGATED:
         module = importlib.import_module(DELEGATED[argv[0]][0])
         return int(module.main(argv[1:]) or 0)
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    build_parser().parse_args(argv)  # prints usage and exits for anything else
+    return 2
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuobj.dev.cluster import DevCluster
-from gpuobj.testing.cluster import ClusterHandle
+from gpuobj_dev.cluster import DevCluster
+from gpuobj_dev.testing.cluster import ClusterHandle
 
 CLUSTER_FIXTURES = {"dev_cluster", "gpuobj_cluster"}
 

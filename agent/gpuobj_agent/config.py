@@ -10,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from gpuobj import names
+from gpuobj_contract import names
 
 POD_NAME_ENV = "GPUOBJ_POD_NAME"
 POD_NAMESPACE_ENV = "GPUOBJ_POD_NAMESPACE"

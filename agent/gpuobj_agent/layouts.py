@@ -2,7 +2,7 @@
 
 Why: a reader allocates its destination from layouts alone and a declared object
 (`kubectl apply`) is nothing but layouts, so one module parses and validates them;
-user input never reaches torch unchecked. Dtype names are `gpuobj.names.DTYPES`.
+user input never reaches torch unchecked. Dtype names are `gpuobj_contract.names.DTYPES`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from gpuobj import names
 from gpuobj_agent.errors import BadRequest
+from gpuobj_contract import names
 
 MAX_NDIM = 32
 _DEVICE_RE = re.compile(names.DEVICES_PATTERN)

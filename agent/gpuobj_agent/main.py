@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from gpuobj import names
 from gpuobj_agent.auth import TokenError
 from gpuobj_agent.config import AgentConfig
+from gpuobj_contract import names
 
 
 def build_parser(prog: str = "gpuobj agent") -> argparse.ArgumentParser:

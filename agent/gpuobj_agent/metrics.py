@@ -1,4 +1,4 @@
-"""Prometheus metrics of one agent; names come only from `gpuobj.metric_names`.
+"""Prometheus metrics of one agent; names come only from `gpuobj_contract.metric_names`.
 
 Why a registry per agent: tests and benchmarks run several agents in one process, and
 each /metrics must describe its own. Levels (store bytes, registered bytes, in-flight
@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gpuobj import metric_names as mn
+from gpuobj_contract import metric_names as mn
 
 # Every kind the agent counts under gpuobj_agent_errors_total, so each series exists from the start at 0.
 ERROR_KINDS = (

@@ -24,14 +24,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gpuobj import names
 from gpuobj.client.errors import FetchError, ObjectLostError, ObjectNotFoundError
 from gpuobj.client.handles import ObjectAddress, ObjectRef, SharedRef, TensorLayout
 from gpuobj.client.loop import LoopThread
 from gpuobj.client.streams import StreamReader, StreamWriter, adelete_stream
-from gpuobj.kube.client import CLAIMS, GPUOBJECTS, PODS, Conflict, KubeClient, NotFound
-from gpuobj.kube.config import KubeConfig
-from gpuobj.kube.config import load as load_kubeconfig
+from gpuobj_contract import names
+from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, Conflict, KubeClient, NotFound
+from gpuobj_kube.config import KubeConfig
+from gpuobj_kube.config import load as load_kubeconfig
 
 log = logging.getLogger("gpuobj.client")
 

@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gpuobj.layout import tensor_bytes
+from gpuobj_contract.layouts import tensor_bytes
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
-from gpuobj import names
 from gpuobj.client.errors import StreamClosedError
 from gpuobj.client.handles import ObjectAddress, TensorLayout
-from gpuobj.kube.client import GPUOBJECTS, STREAMS, Conflict, Gone, NotFound, wait_for
+from gpuobj_contract import names
+from gpuobj_kube.client import GPUOBJECTS, STREAMS, Conflict, Gone, NotFound, wait_for
 
 if TYPE_CHECKING:
     from gpuobj.client.client import Client

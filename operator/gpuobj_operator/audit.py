@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gpuobj import names
+from gpuobj_contract import names
 from gpuobj_operator.ledger import Ledger
 from gpuobj_operator.model import ObjectInfo, PodInfo
 

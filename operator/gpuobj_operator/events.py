@@ -12,7 +12,7 @@ import datetime as dt
 import logging
 import time
 
-from gpuobj.kube.client import EVENTS, ApiError, KubeClient
+from gpuobj_kube.client import EVENTS, ApiError, KubeClient
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from gpuobj.kube.client import ApiError, Gone, KubeClient, Resource
+from gpuobj_kube.client import ApiError, Gone, KubeClient, Resource
 
 log = logging.getLogger("gpuobj.operator.informer")
 

@@ -14,7 +14,7 @@ import datetime as dt
 import logging
 from dataclasses import dataclass
 
-from gpuobj.kube.client import LEASES, Conflict, KubeClient, NotFound
+from gpuobj_kube.client import LEASES, Conflict, KubeClient, NotFound
 
 log = logging.getLogger("gpuobj.operator.leader")
 

@@ -23,7 +23,7 @@ import datetime as dt
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from gpuobj import names
+from gpuobj_contract import names
 from gpuobj_operator.model import ClaimInfo, Key, ObjectInfo, PodInfo, StreamInfo
 
 # ---------------------------------------------------------------- actions

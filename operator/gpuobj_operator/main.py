@@ -21,10 +21,10 @@ import prometheus_client
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gpuobj import names
-from gpuobj.kube.client import PODS, KubeClient
-from gpuobj.kube.config import KubeConfig
-from gpuobj.kube.config import load as load_config
+from gpuobj_contract import names
+from gpuobj_kube.client import PODS, KubeClient
+from gpuobj_kube.config import KubeConfig
+from gpuobj_kube.config import load as load_config
 from gpuobj_operator.agent_client import AgentClient
 from gpuobj_operator.events import EventRecorder
 from gpuobj_operator.informer import Informer

@@ -1,4 +1,4 @@
-"""Operator metrics. Names come from gpuobj.metric_names (the dashboard's contract).
+"""Operator metrics. Names come from gpuobj_contract.metric_names (the dashboard's contract).
 
 State gauges are read from the ledger at scrape time (KubeRay's collector habit), so
 they can never drift from what the operator believes; leaked-bytes series are removed
@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gpuobj import metric_names as m
+from gpuobj_contract import metric_names as m
 from gpuobj_operator.ledger import Ledger
 
 FREE_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gpuobj import names
-from gpuobj.layout import tensor_bytes
+from gpuobj_contract import names
+from gpuobj_contract.layouts import tensor_bytes
 
 Key = tuple[str, str]  # (namespace, name)
 

@@ -15,8 +15,8 @@ import logging
 import time
 from collections.abc import Iterable
 
-from gpuobj import names
-from gpuobj.kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, ApiError, Conflict, Invalid, KubeClient, NotFound
+from gpuobj_contract import names
+from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, ApiError, Conflict, Invalid, KubeClient, NotFound
 from gpuobj_operator import audit as audit_mod
 from gpuobj_operator.agent_client import AgentClient, AgentError, AgentGone, AgentUnreachable
 from gpuobj_operator.events import EventRecorder

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from gpuobj.testing.waits import wait_until
 from gpuobj_agent.auth import TokenFile
 from gpuobj_agent.config import AgentConfig
 from gpuobj_agent.runtime import AgentRuntime
-from gpuobj_agent.testing import AgentProcess
+from gpuobj_dev.testing.agent_workload import AgentProcess
+from gpuobj_dev.testing.waits import wait_until
 
 TOKEN = "test-token-0123456789"
 

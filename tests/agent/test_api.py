@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from gpuobj import metric_names
-from gpuobj_agent.testing import AgentProcess
+from gpuobj_contract import metric_names
+from gpuobj_dev.testing.agent_workload import AgentProcess
 
 from .conftest import TOKEN, settle
 

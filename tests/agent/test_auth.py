@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from gpuobj.testing.waits import wait_until
 from gpuobj_agent.auth import TokenError, TokenFile
 from gpuobj_agent.main import main
+from gpuobj_dev.testing.waits import wait_until
 
 
 def test_only_the_current_bearer_token_is_accepted(tmp_path):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuobj import names
 from gpuobj_agent.errors import BadRequest
 from gpuobj_agent.layouts import DTYPES, TensorLayout, parse_layouts
+from gpuobj_contract import names
 
 
 def test_every_contract_dtype_maps_to_torch_and_back():

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from gpuobj_agent.layouts import TensorLayout
-from gpuobj_agent.testing import make_tensors
+from gpuobj_dev.testing.agent_workload import make_tensors
 
 from .conftest import settle
 

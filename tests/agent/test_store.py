@@ -8,7 +8,6 @@ import threading
 import pytest
 import torch
 
-from gpuobj.testing.waits import wait_until
 from gpuobj_agent.errors import (
     BadRequest,
     Conflict,
@@ -19,7 +18,8 @@ from gpuobj_agent.errors import (
     SourceUnavailable,
 )
 from gpuobj_agent.layouts import TensorLayout
-from gpuobj_agent.testing import digest, make_tensors
+from gpuobj_dev.testing.agent_workload import digest, make_tensors
+from gpuobj_dev.testing.waits import wait_until
 
 from .conftest import TOKEN, settle
 

@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
-from gpuobj.testing.waits import wait_until
 from gpuobj_agent.layouts import DTYPES, TensorLayout
-from gpuobj_agent.testing import AgentProcess
+from gpuobj_dev.testing.agent_workload import AgentProcess
+from gpuobj_dev.testing.waits import wait_until
 
 from .conftest import TOKEN, settle
 

@@ -11,8 +11,8 @@ import uuid
 
 import pytest
 
-from gpuobj.kube.client import PODS, NotFound, Resource, wait_for
-from gpuobj.testing.cluster import ClusterHandle
+from gpuobj_dev.testing.cluster import ClusterHandle
+from gpuobj_kube.client import PODS, NotFound, Resource, wait_for
 
 WIDGETS = Resource("smoke.gpuobj.io", "v1", "widgets", "Widget")
 CONFIGMAPS = Resource("", "v1", "configmaps", "ConfigMap")
@@ -190,7 +190,7 @@ def test_helm_version_runs(dev_cluster: ClusterHandle) -> None:
 
 
 def test_kubectl_reports_the_pinned_server_version(dev_cluster: ClusterHandle) -> None:
-    from gpuobj.dev.toolchain import load_tools
+    from gpuobj_dev.toolchain import load_tools
 
     out = dev_cluster.kubectl("version", "-o", "json").stdout
     assert f'"gitVersion": "{load_tools()["kubernetes"].version}"' in out

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpuobj.layout import DTYPE_BYTES
-from gpuobj.testing.cluster import CRDS_DIR, ClusterHandle
+from gpuobj_contract.layouts import DTYPE_BYTES
+from gpuobj_dev.testing.cluster import CRDS_DIR, ClusterHandle
 
 GOOD_OBJECT = {
     "apiVersion": "gpuobj.io/v1alpha1",

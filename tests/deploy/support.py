@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from gpuobj.dev import toolchain
+from gpuobj_dev import toolchain
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "gpuobj"

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 import yaml
 
-from gpuobj import names
+from gpuobj_contract import names
 from tests.deploy.support import CHART, REPO
 
 DOCKERFILE = REPO / "Dockerfile"

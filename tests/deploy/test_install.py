@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpuobj.testing.cluster import ClusterHandle
-from gpuobj.testing.operator import OperatorProcess
+from gpuobj_dev.testing.cluster import ClusterHandle
+from gpuobj_dev.testing.operator import OperatorProcess
 from tests.deploy.support import (
     ALL_FEATURES,
     CHART,

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpuobj import metric_names as m
-from gpuobj.observability import dashboard, queries
+from gpuobj_contract import metric_names as m
+from gpuobj_dev.observability import dashboard, queries
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ def committed() -> dict:
 
 def test_committed_dashboard_is_what_the_code_generates() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "gpuobj.observability.dashboard", "--check"],
+        [sys.executable, "-m", "gpuobj_dev.observability.dashboard", "--check"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -47,7 +47,9 @@ def test_every_query_reads_only_contract_metrics_and_every_contract_metric_is_sh
     for title, expr in dashboard.panel_queries():
         names = queries.referenced_metrics(expr)
         assert names, f"{title}: {expr} reads no gpuobj metric"
-        assert names <= contract_metrics(), f"{title}: {names - contract_metrics()} not in gpuobj/metric_names.py"
+        assert names <= contract_metrics(), (
+            f"{title}: {names - contract_metrics()} not in contract/gpuobj_contract/metric_names.py"
+        )
         used |= names
     assert contract_metrics() - used == set(), "contract metrics without a panel"
 

@@ -4,7 +4,7 @@ The operator runs against the real control plane and is driven through real fail
 (no agent process is needed for them): a source pod whose agent port has nothing listening
 (frees complete as "agent-gone", audits fail) and a source pod whose "agent" endpoint is an
 HTTP server that is not an agent (frees fail with agent-404). The agent panels need real
-agents (gpuobj_agent.testing.AgentProcess) and are exercised by the lead's follow-up test.
+agents (gpuobj_dev.testing.agent_workload.AgentProcess) and are exercised by the lead's follow-up test.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from gpuobj import metric_names as m
-from gpuobj import names
-from gpuobj.kube.client import GPUOBJECTS, PODS, NotFound, wait_for
-from gpuobj.observability import dashboard, queries, rules
-from gpuobj.observability.scrape import OPERATOR_JOB
-from gpuobj.testing.cluster import ClusterHandle
-from gpuobj.testing.operator import OperatorProcess
-from gpuobj.testing.pods import create_agent_pod, delete_pod
-from gpuobj.testing.prometheus import Prometheus, Result, sample_value
+from gpuobj_contract import metric_names as m
+from gpuobj_contract import names
+from gpuobj_dev.observability import dashboard, queries, rules
+from gpuobj_dev.observability.scrape import OPERATOR_JOB
+from gpuobj_dev.testing.cluster import ClusterHandle
+from gpuobj_dev.testing.operator import OperatorProcess
+from gpuobj_dev.testing.pods import create_agent_pod, delete_pod
+from gpuobj_dev.testing.prometheus import Prometheus, Result, sample_value
+from gpuobj_kube.client import GPUOBJECTS, PODS, NotFound, wait_for
 from tests.operator.conftest import start_operator
 
 # What Kubernetes service discovery would attach to the operator's target (see scrape.py).

@@ -9,9 +9,9 @@ from pathlib import Path
 from matplotlib.image import imread
 from prometheus_client import CollectorRegistry, Gauge
 
-from gpuobj import metric_names as m
-from gpuobj.observability.plot import MIB, SERIES, plot_bytes
-from gpuobj.testing.prometheus import Prometheus, sample_value
+from gpuobj_contract import metric_names as m
+from gpuobj_dev.observability.plot import MIB, SERIES, plot_bytes
+from gpuobj_dev.testing.prometheus import Prometheus, sample_value
 from tests.observability.conftest import Exporter
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -8,9 +8,9 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from gpuobj.observability import dashboard, queries, rules
-from gpuobj.observability.scrape import OPERATOR_JOB
-from gpuobj.testing.prometheus import Prometheus, PrometheusError, sample_value
+from gpuobj_dev.observability import dashboard, queries, rules
+from gpuobj_dev.observability.scrape import OPERATOR_JOB
+from gpuobj_dev.testing.prometheus import Prometheus, PrometheusError, sample_value
 from tests.observability.conftest import Exporter
 
 
@@ -59,7 +59,7 @@ def test_targets_added_after_start_are_scraped(exporter: Exporter) -> None:
 
 
 def test_operator_job_keeps_the_exporters_namespace_and_pod(exporter: Exporter) -> None:
-    """The label policy (gpuobj/observability/scrape.py): Kubernetes-like target labels namespace/pod
+    """The label policy (dev/gpuobj_dev/observability/scrape.py): Kubernetes-like target labels namespace/pod
     do not overwrite an operator series' own namespace/pod; on other jobs they would (exported_*)."""
     registry = CollectorRegistry()
     Gauge("harness_leak_bytes", "bytes held by a pod", ["namespace", "pod"], registry=registry).labels(

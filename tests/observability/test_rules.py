@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from gpuobj.dev import toolchain
-from gpuobj.observability import queries, rules
+from gpuobj_dev import toolchain
+from gpuobj_dev.observability import queries, rules
 from tests.observability.test_dashboard import contract_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,7 +29,7 @@ def committed_rules() -> list[dict]:
 
 def test_committed_rules_are_what_the_code_generates() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "gpuobj.observability.rules", "--check"],
+        [sys.executable, "-m", "gpuobj_dev.observability.rules", "--check"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from gpuobj.testing.cluster import ClusterHandle
-from gpuobj.testing.operator import OperatorProcess
-from gpuobj.testing.pods import create_agent_pod, delete_pod
-from gpuobj.testing.workload import WorkloadProcess, free_port
+from gpuobj_dev.testing.cluster import ClusterHandle
+from gpuobj_dev.testing.operator import OperatorProcess
+from gpuobj_dev.testing.pods import create_agent_pod, delete_pod
+from gpuobj_dev.testing.workload import WorkloadProcess, free_port
 from tests.conftest import failed
 
 # Fast enough for tests; the production defaults are in operator/gpuobj_operator/main.py.

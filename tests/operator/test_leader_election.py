@@ -6,10 +6,10 @@ import asyncio
 import json
 from pathlib import Path
 
-from gpuobj import names
-from gpuobj.kube.client import GPUOBJECTS, LEASES, wait_for
-from gpuobj.testing.cluster import ClusterHandle
-from gpuobj.testing.pods import create_agent_pod
+from gpuobj_contract import names
+from gpuobj_dev.testing.cluster import ClusterHandle
+from gpuobj_dev.testing.pods import create_agent_pod
+from gpuobj_kube.client import GPUOBJECTS, LEASES, wait_for
 from tests.operator.conftest import start_operator
 
 

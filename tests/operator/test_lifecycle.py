@@ -10,12 +10,12 @@ import json
 
 import pytest
 
-from gpuobj import names
-from gpuobj.kube.client import CLAIMS, GPUOBJECTS, wait_for
-from gpuobj.testing import agent_http
-from gpuobj.testing.cluster import ClusterHandle
-from gpuobj.testing.operator import OperatorProcess
-from gpuobj.testing.waits import wait_until
+from gpuobj_contract import names
+from gpuobj_dev.testing import agent_http
+from gpuobj_dev.testing.cluster import ClusterHandle
+from gpuobj_dev.testing.operator import OperatorProcess
+from gpuobj_dev.testing.waits import wait_until
+from gpuobj_kube.client import CLAIMS, GPUOBJECTS, wait_for
 from tests.operator.conftest import Pods, kube
 
 pytestmark = pytest.mark.nixl
@@ -74,7 +74,7 @@ def test_kubectl_apply_of_the_examples_and_delete_waiting_for_claims(
     gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
 ) -> None:
     """deploy/examples: a GPUObject declared with kubectl is materialized by the source agent from a published key."""
-    from gpuobj.testing.cluster import REPO
+    from gpuobj_dev.testing.cluster import REPO
 
     trainer = pods.workload("trainer-0")
     pods.workload("reader-0")

@@ -7,8 +7,8 @@ import urllib.request
 
 import pytest
 
-from gpuobj.testing import agent_http
-from gpuobj.testing.cluster import ClusterHandle
+from gpuobj_dev.testing import agent_http
+from gpuobj_dev.testing.cluster import ClusterHandle
 from tests.operator.conftest import Pods, start_operator
 from tests.operator.test_lifecycle import assert_api_empty, state, wait_object
 

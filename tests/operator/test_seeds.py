@@ -11,11 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from gpuobj.kube.client import GPUOBJECTS
-from gpuobj.testing import agent_http
-from gpuobj.testing.cluster import ClusterHandle
-from gpuobj.testing.operator import OperatorProcess
-from gpuobj.testing.waits import wait_until
+from gpuobj_dev.testing import agent_http
+from gpuobj_dev.testing.cluster import ClusterHandle
+from gpuobj_dev.testing.operator import OperatorProcess
+from gpuobj_dev.testing.waits import wait_until
+from gpuobj_kube.client import GPUOBJECTS
 from tests.operator.conftest import Pods, kube
 from tests.operator.test_lifecycle import assert_api_empty, wait_object
 

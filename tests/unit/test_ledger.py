@@ -6,8 +6,8 @@ import datetime as dt
 
 import pytest
 
-from gpuobj import names
-from gpuobj.layout import tensor_bytes
+from gpuobj_contract import names
+from gpuobj_contract.layouts import tensor_bytes
 from gpuobj_operator.ledger import (
     AddFinalizer,
     DeleteClaim,

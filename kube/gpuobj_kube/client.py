@@ -16,9 +16,9 @@ from typing import Any
 
 import aiohttp
 
-from gpuobj import names
-from gpuobj.kube.config import KubeConfig
-from gpuobj.kube.config import load as load_config
+from gpuobj_contract import names
+from gpuobj_kube.config import KubeConfig
+from gpuobj_kube.config import load as load_config
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from typing import Protocol
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from gpuobj import metric_names as m
-from gpuobj.observability import queries as q
+from gpuobj_contract import metric_names as m
+from gpuobj_dev.observability import queries as q
 
 MIB = 1024 * 1024
 
@@ -27,7 +27,7 @@ SERIES: tuple[tuple[str, str, str], ...] = (
 
 
 class RangeQuerier(Protocol):
-    """What the plot needs from Prometheus (gpuobj.testing.prometheus.Prometheus fits)."""
+    """What the plot needs from Prometheus (gpuobj_dev.testing.prometheus.Prometheus fits)."""
 
     def query_range(self, expr: str, start: float, end: float, step: float = 1.0) -> list[dict]: ...
 

@@ -5,7 +5,7 @@ Every module, manifest generator and test reads these; nothing spells them again
 
 from __future__ import annotations
 
-from gpuobj.layout import DTYPE_BYTES
+from gpuobj_contract.layouts import DTYPE_BYTES
 
 GROUP = "gpuobj.io"
 VERSION = "v1alpha1"

@@ -11,7 +11,7 @@ series still get the target's); agent jobs keep the default ``false`` (agents ex
 namespace/pod labels, so the target labels name the agent's pod). Dashboard and rule
 queries therefore use plain ``namespace``/``pod`` and never ``exported_*``.
 
-The test harness (gpuobj.testing.prometheus) builds its config with ``scrape_config``;
+The test harness (gpuobj_dev.testing.prometheus) builds its config with ``scrape_config``;
 the chart's ServiceMonitor must set ``honorLabels: true`` on the operator endpoint only
 (see deploy/prometheus/README.md).
 """

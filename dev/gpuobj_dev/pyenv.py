@@ -23,8 +23,10 @@ REPO = Path(__file__).resolve().parents[2]
 CACHE_ROOT = Path(os.environ.get("GPUOBJ_CACHE", Path.home() / ".cache" / "gpuobj"))
 PYENV_ROOT = CACHE_ROOT / "pyenv"
 LOCAL_VENV = REPO / ".venv"
-EXTRAS = ("test", "observability")
+EXTRAS = ("agent", "operator", "test", "observability")
 DEPS_PTH = "_gpuobj_shared_deps.pth"
+# Folders (besides the checkout itself, for `gpuobj`) that hold one importable package each.
+SOURCE_ROOTS = ("contract", "kube", "agent", "operator", "dev")
 
 
 def pinned_requirements(extras: tuple[str, ...] = EXTRAS) -> list[str]:
@@ -76,18 +78,20 @@ def ensure_shared_deps(extras: tuple[str, ...] = EXTRAS) -> Path:
 def ensure_local_venv(shared: Path) -> Path:
     """A per-checkout .venv that sees the shared dependencies and this checkout's sources.
 
-    The .pth file does what an editable install would (put gpuobj, gpuobj_agent and
-    gpuobj_operator on sys.path) without building anything, and the `gpuobj` script is
-    the console entry point pyproject.toml declares for real installs.
+    The .pth file does what an editable install would (put gpuobj, gpuobj_contract, gpuobj_kube,
+    gpuobj_agent, gpuobj_operator and the dev tooling gpuobj_dev on sys.path) without building
+    anything; the `gpuobj` script is the console entry point pyproject.toml declares for real
+    installs, and `gpuobj-dev` the developer tools' (checkout only).
     """
     python = LOCAL_VENV / "bin" / "python"
     if not python.exists():
         _check([sys.executable, "-m", "venv", "--without-pip", str(LOCAL_VENV)], f"create {LOCAL_VENV}")
-    paths = [_site_packages(shared), REPO, REPO / "agent", REPO / "operator"]
+    paths = [_site_packages(shared), REPO, *(REPO / room for room in SOURCE_ROOTS)]
     (_site_packages(LOCAL_VENV) / DEPS_PTH).write_text("".join(f"{p}\n" for p in paths))
-    script = LOCAL_VENV / "bin" / "gpuobj"
-    script.write_text(f"#!{python}\nimport sys\nfrom gpuobj.cli import main\nsys.exit(main())\n")
-    script.chmod(0o755)
+    for name, module in (("gpuobj", "gpuobj.cli"), ("gpuobj-dev", "gpuobj_dev.cli")):
+        script = LOCAL_VENV / "bin" / name
+        script.write_text(f"#!{python}\nimport sys\nfrom {module} import main\nsys.exit(main())\n")
+        script.chmod(0o755)
     for tool in ("pytest", "ruff"):  # handy in a shell that activated .venv
         link = LOCAL_VENV / "bin" / tool
         if not link.exists():
@@ -96,7 +100,7 @@ def ensure_local_venv(shared: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m gpuobj.dev.pyenv", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python3 -m gpuobj_dev.pyenv", description=__doc__.splitlines()[0])
     parser.add_argument("--print-shared", action="store_true", help="print the shared virtualenv path and exit")
     args = parser.parse_args(argv)
     if sys.version_info < (3, 11):  # noqa: UP036 - runs under whatever python3 the machine has

@@ -7,8 +7,8 @@ what a scheduled workload pod is.
 
 from __future__ import annotations
 
-from gpuobj import names
-from gpuobj.kube.client import PODS, KubeClient, NotFound, wait_for
+from gpuobj_contract import names
+from gpuobj_kube.client import PODS, KubeClient, NotFound, wait_for
 
 
 async def create_agent_pod(kube: KubeClient, namespace: str, name: str, *, host: str = "127.0.0.1", port: int) -> dict:

@@ -1,7 +1,7 @@
-"""PromQL shared by the dashboard and the alert rules, built from gpuobj.metric_names.
+"""PromQL shared by the dashboard and the alert rules, built from gpuobj_contract.metric_names.
 
 Why: a panel that shows a leak and the alert that pages on it must compute the same
-number; one expression, two consumers. Labels follow gpuobj.observability.scrape:
+number; one expression, two consumers. Labels follow gpuobj_dev.observability.scrape:
 plain ``namespace``/``pod``, never ``exported_*``.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from gpuobj import metric_names as m
+from gpuobj_contract import metric_names as m
 
 # Grafana's own interval macros; Prometheus does not know them (see ``for_prometheus``).
 GRAFANA_MACROS = ("$__rate_interval", "$__interval", "$__range")

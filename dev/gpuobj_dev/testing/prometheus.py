@@ -2,8 +2,8 @@
 
 Why real: the dashboard's and alert rules' PromQL only proves anything when a real
 Prometheus evaluates it over series it scraped from real exporters. The binary is the
-pinned one built from the Go module proxy (gpuobj.dev.toolchain). The scrape config comes
-from gpuobj.observability.scrape, so the harness applies the same label policy
+pinned one built from the Go module proxy (gpuobj_dev.toolchain). The scrape config comes
+from gpuobj_dev.observability.scrape, so the harness applies the same label policy
 (``honor_labels`` on the operator job) as the chart's ServiceMonitor.
 """
 
@@ -25,9 +25,9 @@ from typing import Any
 
 import yaml
 
-from gpuobj.dev import toolchain
-from gpuobj.observability.scrape import HONOR_LABELS_JOBS, scrape_config
-from gpuobj.testing.processes import terminate
+from gpuobj_dev import toolchain
+from gpuobj_dev.observability.scrape import HONOR_LABELS_JOBS, scrape_config
+from gpuobj_dev.testing.processes import terminate
 
 # A vector or matrix result: [{"metric": {...}, "value": [ts, "v"]} | {"metric": {...}, "values": [[ts, "v"], ...]}].
 Result = list[dict[str, Any]]

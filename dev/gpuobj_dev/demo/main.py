@@ -24,13 +24,13 @@ from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import Any
 
-from gpuobj import metric_names as m
-from gpuobj.dev.cluster import DEFAULT_STATE_DIR, DevCluster
-from gpuobj.kube.client import NAMESPACES, NotFound, wait_for
-from gpuobj.testing.cluster import ClusterHandle
-from gpuobj.testing.operator import OperatorProcess
-from gpuobj.testing.pods import create_agent_pod, delete_pod
-from gpuobj.testing.workload import WorkloadProcess
+from gpuobj_contract import metric_names as m
+from gpuobj_dev.cluster import DEFAULT_STATE_DIR, DevCluster
+from gpuobj_dev.testing.cluster import ClusterHandle
+from gpuobj_dev.testing.operator import OperatorProcess
+from gpuobj_dev.testing.pods import create_agent_pod, delete_pod
+from gpuobj_dev.testing.workload import WorkloadProcess
+from gpuobj_kube.client import NAMESPACES, NotFound, wait_for
 
 NAMESPACE = "gpuobj-demo"
 MIB = 1 << 20
@@ -127,8 +127,8 @@ class Demo:
                     self.workloads[name] = w
             self.say("pods: " + ", ".join(f"{n} (agent {w.endpoint})" for n, w in self.workloads.items()))
         with self.step("starting Prometheus, scraping the operator and the agents every second"):
-            from gpuobj.observability.scrape import AGENT_JOB, OPERATOR_JOB
-            from gpuobj.testing.prometheus import Prometheus
+            from gpuobj_dev.observability.scrape import AGENT_JOB, OPERATOR_JOB
+            from gpuobj_dev.testing.prometheus import Prometheus
 
             operator_addr = self.operator.metrics_url.removeprefix("http://")  # type: ignore[union-attr]
             agents = {w.endpoint: {"namespace": NAMESPACE, "pod": name} for name, w in self.workloads.items()}
@@ -150,7 +150,7 @@ class Demo:
         asyncio.run(go())
 
     def _start_pod(self, name: str) -> WorkloadProcess:
-        from gpuobj.testing.workload import free_port
+        from gpuobj_dev.testing.workload import free_port
 
         port = free_port()
 
@@ -173,7 +173,7 @@ class Demo:
     def share_weights(self) -> None:
         producer = self.workloads["producer-0"]
         with self.step(f"producer-0 puts {self.weights_mib} MiB of weights and shares them with two readers"):
-            producer.run("from gpuobj.demo import roles")
+            producer.run("from gpuobj_dev.demo import roles")
             producer.run(f"weights, checksum = roles.put_weights(client, {self.weights_mib})")
             self.report["objects"] += 1
             checksum = producer.eval("checksum")
@@ -181,7 +181,7 @@ class Demo:
             for reader in ("transform-0", "consumer-0"):
                 shared = producer.eval_pickle(f"client.share(weights, {reader!r})")
                 w = self.workloads[reader]
-                w.run(f"from gpuobj.demo import roles; weights = client.adopt(load_pickle({shared!r}))")
+                w.run(f"from gpuobj_dev.demo import roles; weights = client.adopt(load_pickle({shared!r}))")
                 fetches.append(w.eval(f"roles.read_weights(client, weights, {checksum!r})"))
             for reader, f in zip(("transform-0", "consumer-0"), fetches, strict=True):
                 gbps = f["bytes"] / f["seconds"] / 1e9
@@ -258,7 +258,7 @@ class Demo:
             self.show_objects("checkpoint freed on producer-0")
 
     def plant_orphan(self) -> None:
-        from gpuobj.observability import queries as q
+        from gpuobj_dev.observability import queries as q
 
         with self.step(f"trouble: {self.orphan_mib} MiB left in producer-0's agent that nothing references"):
             producer = self.workloads["producer-0"]
@@ -281,8 +281,8 @@ class Demo:
             self.say("leaked bytes back to 0")
 
     def check_dashboard(self) -> None:
-        from gpuobj.observability.dashboard import panel_queries
-        from gpuobj.observability.queries import for_prometheus
+        from gpuobj_dev.observability.dashboard import panel_queries
+        from gpuobj_dev.observability.queries import for_prometheus
 
         with self.step("running every panel query of the leaked-bytes dashboard against Prometheus"):
             window = f"{int(time.time() - self.started) + 60}s"
@@ -298,8 +298,8 @@ class Demo:
                     self.say(f"no data: {name}")
 
     def finish(self) -> None:
-        from gpuobj.observability import queries as q
-        from gpuobj.observability.plot import plot_bytes
+        from gpuobj_dev.observability import queries as q
+        from gpuobj_dev.observability.plot import plot_bytes
 
         with self.step("summary and plot"):
             end = time.time()
@@ -336,12 +336,12 @@ class Demo:
             Path(self.args.report).write_text(json.dumps(r, indent=2))
         if self.args.keep:
             print("\nthe control plane keeps running:")
-            print(f'  eval "$(gpuobj dev-cluster env --state-dir {self.args.state_dir})"')
+            print(f'  eval "$(gpuobj-dev dev-cluster env --state-dir {self.args.state_dir})"')
             print(f"  kubectl get gpuobj,events -n {NAMESPACE}")
-            print(f"  gpuobj dev-cluster down --state-dir {self.args.state_dir}")
+            print(f"  gpuobj-dev dev-cluster down --state-dir {self.args.state_dir}")
 
     def _wait_state(self, name: str, predicate, timeout: float = 30) -> None:
-        from gpuobj.kube.client import GPUOBJECTS
+        from gpuobj_kube.client import GPUOBJECTS
 
         async def go() -> None:
             async with self.cluster.client() as kube:

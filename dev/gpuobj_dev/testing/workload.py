@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from gpuobj.testing.processes import terminate
+from gpuobj_dev.testing.processes import terminate
 
 BOOTSTRAP = r"""
 import base64, json, os, pickle, sys, traceback

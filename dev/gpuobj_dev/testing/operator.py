@@ -13,8 +13,8 @@ import urllib.request
 from collections import deque
 from pathlib import Path
 
-from gpuobj.testing.processes import terminate
-from gpuobj.testing.waits import wait_until
+from gpuobj_dev.testing.processes import terminate
+from gpuobj_dev.testing.waits import wait_until
 
 
 class OperatorProcess:

@@ -7,12 +7,12 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuobj.dev import toolchain
-from gpuobj.dev.cluster import ClusterState, DevCluster
-from gpuobj.kube.client import KubeClient
-from gpuobj.kube.config import from_kubeconfig
+from gpuobj_dev import toolchain
+from gpuobj_dev.cluster import ClusterState, DevCluster
+from gpuobj_kube.client import KubeClient
+from gpuobj_kube.config import from_kubeconfig
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CRDS_DIR = REPO / "crds"
 
 

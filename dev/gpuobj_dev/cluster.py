@@ -5,7 +5,7 @@ resourceVersion conflicts, watches, schema validation, ownerReference garbage
 collection, RBAC). There is no kubelet and no scheduler: Pods are API objects whose
 status a test or the demo sets, each pointing at a local agent process.
 
-The same code backs `gpuobj dev-cluster up|down|status|env` and the pytest fixture.
+The same code backs `gpuobj-dev dev-cluster up|down|status|env` and the pytest fixture.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import yaml
 
-from gpuobj.dev import toolchain
-from gpuobj.dev.pki import DevPKI
+from gpuobj_dev import toolchain
+from gpuobj_dev.pki import DevPKI
 
 DEFAULT_STATE_DIR = toolchain.CACHE_ROOT / "dev-cluster"
 SERVICE_CIDR = "10.96.0.0/24"

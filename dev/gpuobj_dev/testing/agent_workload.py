@@ -7,7 +7,7 @@ the process is a stand-in workload: an embedded agent plus test-only routes unde
 `/v1/test/` (token required) to put seeded tensors, fetch from another agent and report
 counts, so multi-process scenarios can be driven over HTTP.
 
-Run `python -m gpuobj_agent.testing workload --pod-name ... --port 0 --token-file ...` to
+Run `python -m gpuobj_dev.testing.agent_workload workload --pod-name ... --port 0 --token-file ...` to
 start such a workload by hand.
 """
 
@@ -109,7 +109,9 @@ class AgentProcess:
         return self.proc.pid
 
     def command(self) -> list[str]:
-        mod = ["-m", "gpuobj_agent.testing", "workload"] if self.workload else ["-m", "gpuobj.cli", "agent"]
+        mod = (
+            ["-m", "gpuobj_dev.testing.agent_workload", "workload"] if self.workload else ["-m", "gpuobj.cli", "agent"]
+        )
         return [
             sys.executable,
             *mod,
@@ -318,9 +320,9 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] != "workload":
-        print("usage: python -m gpuobj_agent.testing workload [gpuobj agent options]", file=sys.stderr)
+        print("usage: python -m gpuobj_dev.testing.agent_workload workload [gpuobj agent options]", file=sys.stderr)
         return 2
-    args = build_parser("python -m gpuobj_agent.testing workload").parse_args(argv[1:])
+    args = build_parser("python -m gpuobj_dev.testing.agent_workload workload").parse_args(argv[1:])
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("nixl").setLevel(logging.WARNING)
     return asyncio.run(serve(config_from_args(args), extra_routes=workload_routes))
