@@ -21,13 +21,15 @@ DELEGATED = {
 def _dev_cluster(args: argparse.Namespace) -> int:
     from gpuobj_dev.cluster import DevCluster, DevClusterError
 
-    cluster = DevCluster(Path(args.state_dir))
+    cluster = DevCluster(Path(args.state_dir), node=args.node)
     try:
         if args.action == "up":
             state = cluster.up(timeout=args.timeout)
             env = cluster.env()
             print(f"kubeconfig: {cluster.kubeconfig}")
             print(f"logs:       {cluster.logs}/{{etcd,kube-apiserver,kube-controller-manager}}.log")
+            if args.node:
+                print(f"node:       {cluster.logs}/{{containerd,kube-scheduler,kubelet}}.log; pods get 10.217.0.0/24")
             print("use it:")
             print(f'  eval "$(gpuobj-dev dev-cluster env)"   # or: export KUBECONFIG={env["KUBECONFIG"]}')
             print("  kubectl get ns")
@@ -62,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("action", choices=["up", "down", "status", "env"])
     dev.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR), help="where certificates, data and logs live")
     dev.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each component to become ready")
+    dev.add_argument(
+        "--node",
+        action="store_true",
+        help="with `up`: add a real node (kube-scheduler, kubelet, containerd, CNI bridge; needs root) "
+        "and load the locally built images into it",
+    )
     dev.set_defaults(func=_dev_cluster)
     for name, (_, help_text) in DELEGATED.items():
         p = sub.add_parser(name, help=help_text, add_help=False)

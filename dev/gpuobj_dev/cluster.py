@@ -33,6 +33,9 @@ DEFAULT_STATE_DIR = toolchain.CACHE_ROOT / "dev-cluster"
 SERVICE_CIDR = "10.96.0.0/24"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 CONTROLLERS = "garbagecollector,namespace,serviceaccount,serviceaccount-token"
+# With a node: Deployments become pods, pods get their namespace's kube-root-ca.crt ConfigMap, and the
+# node lifecycle controller lifts the not-ready taint the kubelet registers with.
+NODE_CONTROLLERS = "deployment,replicaset,root-ca-cert-publisher,podgc,nodelifecycle"
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager")
 
 
@@ -51,6 +54,7 @@ class ClusterState:
     kcm_port: int = 0
     pids: dict[str, int] = field(default_factory=dict)
     started_at: float = 0.0
+    node: bool = False
 
     @property
     def server(self) -> str:
@@ -103,8 +107,13 @@ def _die_with_parent() -> None:
 class DevCluster:
     """Start, inspect and stop one loopback control plane whose state lives in ``state_dir``."""
 
-    def __init__(self, state_dir: Path = DEFAULT_STATE_DIR, *, tie_to_parent: bool = False, log=print) -> None:
+    def __init__(
+        self, state_dir: Path = DEFAULT_STATE_DIR, *, tie_to_parent: bool = False, log=print, node: bool = False
+    ) -> None:
         self.state_dir = Path(state_dir)
+        self.with_node = node
+        # Dockerfile targets built and loaded into the node (the pause image always is).
+        self.node_targets: tuple[str, ...] = ("operator", "agent")
         self.tie_to_parent = tie_to_parent
         self.log = log
         self.pki = DevPKI(self.state_dir / "pki")
@@ -168,6 +177,7 @@ class DevCluster:
             apiserver_port=apiserver,
             kcm_port=kcm,
             started_at=time.time(),
+            node=self.with_node,
         )
         self._write_pki_and_kubeconfigs(state)
         try:
@@ -188,6 +198,8 @@ class DevCluster:
                 timeout,
                 "kube-controller-manager",
             )
+            if self.with_node:
+                self._node_up(state, timeout)
         except BaseException:
             self.down(quiet=True)
             raise
@@ -304,9 +316,21 @@ class DevCluster:
                 "--endpoint-reconciler-type=none",
                 "--profiling=false",
                 "--event-ttl=1h",
+                *self._kubelet_client_flags(state),
                 "--v=1",
             ],
         )
+
+    def _kubelet_client_flags(self, state: ClusterState) -> list[str]:
+        """With a node: how the API server reaches the kubelet (logs, exec) by its InternalIP, as a CA-signed client."""
+        if not state.node:
+            return []
+        client = self.pki.issue("apiserver-kubelet-client", "kube-apiserver-kubelet-client", org="system:masters")
+        return [
+            f"--kubelet-client-certificate={client.cert}",
+            f"--kubelet-client-key={client.key}",
+            "--kubelet-preferred-address-types=InternalIP",
+        ]
 
     def _start_kcm(self, state: ClusterState, binary: Path) -> None:
         pki = self.pki.root
@@ -322,7 +346,7 @@ class DevCluster:
                 "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics",
                 "--bind-address=127.0.0.1",
                 f"--secure-port={state.kcm_port}",
-                f"--controllers={CONTROLLERS}",
+                f"--controllers={CONTROLLERS + (',' + NODE_CONTROLLERS if state.node else '')}",
                 # Each controller acts as its own ServiceAccount, as in kubeadm clusters: RBAC is real.
                 "--use-service-account-credentials=true",
                 f"--service-account-private-key-file={pki / 'sa.key'}",
@@ -332,6 +356,18 @@ class DevCluster:
                 "--v=1",
             ],
         )
+
+    def node(self):
+        from gpuobj_dev.node import Node
+
+        return Node(self.state_dir, log=self.log)
+
+    def _node_up(self, state: ClusterState, timeout: float) -> None:
+        node = self.node()
+        t0 = time.monotonic()
+        node.up(self, state, timeout=timeout, ports=_free_ports(3), targets=self.node_targets)
+        node.wait_ready(self, timeout)
+        self.log(f"node ready in {time.monotonic() - t0:.1f}s")
 
     def _wait(self, ready, what: str, timeout: float, component: str) -> None:
         deadline = time.monotonic() + timeout
@@ -388,6 +424,10 @@ class DevCluster:
     def down(self, *, quiet: bool = False, timeout: float = 15.0) -> None:
         """Stop every process `up` started (reverse order) and remove the state."""
         state = self.load_state()
+        if (state and state.node) or (self.state_dir / "node").is_dir():
+            forced = self.node().down()
+            if forced and not quiet:
+                self.log(f"removed leftovers of the node: {', '.join(forced)}")
         if state:
             marker = str(self.state_dir)
             # One at a time, in reverse: kube-apiserver shuts down promptly only while etcd still answers.

@@ -24,7 +24,7 @@ pytestmark = [
 
 def podman_run(image: str, *args: str, entrypoint: str | None = None) -> subprocess.CompletedProcess:
     """Run a container the way a restricted pod would: no network, read-only root, all capabilities dropped."""
-    cmd = ["podman", "run", "--rm", "--network=none", "--read-only", "--cap-drop=ALL"]
+    cmd = ["podman", "run", "--rm", "--network=none", "--read-only", "--cap-drop=ALL", "--no-healthcheck"]
     cmd += ["--security-opt=no-new-privileges"]
     if entrypoint:
         cmd += ["--entrypoint", entrypoint]
