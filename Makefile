@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv/bin/python
 TOOLS ?= etcd kubernetes helm prometheus
 
-.PHONY: setup demo test test-unit lint toolchain dev-cluster-up dev-cluster-down bench dashboard clean
+.PHONY: setup demo test test-unit lint toolchain images dev-cluster-up dev-cluster-down bench dashboard clean
 
 setup:
 	@PYTHONPATH=dev $(PYTHON) -m gpuobj_dev.pyenv
@@ -29,6 +29,10 @@ lint: setup
 
 toolchain:
 	@PYTHONPATH=dev $(PYTHON) -m gpuobj_dev.toolchain ensure $(TOOLS)
+
+# The Dockerfile's targets built with buildah against local stand-in bases (needs root; see README).
+images: setup
+	@$(VENV) -m gpuobj_dev.images $(IMAGES)
 
 dev-cluster-up: setup
 	@$(VENV) -m gpuobj_dev.cli dev-cluster up

@@ -360,7 +360,7 @@ class DevCluster:
     def node(self):
         from gpuobj_dev.node import Node
 
-        return Node(self.state_dir, log=self.log)
+        return Node(self.state_dir, log=self.log, preexec=_die_with_parent if self.tie_to_parent else None)
 
     def _node_up(self, state: ClusterState, timeout: float) -> None:
         node = self.node()

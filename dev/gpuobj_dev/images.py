@@ -15,6 +15,7 @@ Needs root and Debian's buildah, podman, debootstrap (``ensure_host_packages`` i
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import resource
 import shutil
@@ -275,11 +276,29 @@ def ensure_pause() -> None:
 # ---------------------------------------------------------------- the Dockerfile's targets
 
 
-def build_target(target: str, *, quiet: bool = False) -> BuildResult:
-    """`buildah bud --target <target> --pull=never` of the project's Dockerfile, reusing cached layers."""
-    ensure_standins()
-    tag = TARGETS[target]
-    started = time.monotonic()
+# Stages each target is built from; their results are tagged so that pruning keeps exactly one cached
+# chain per stage (an untagged builder stage would be pruned, and rebuilding it makes a new wheel,
+# which re-installs torch in agent-builder).
+CACHE_STAGES = {"operator": ("builder",), "agent": ("builder", "agent-builder")}
+# What the Dockerfile's build context holds (.dockerignore lets only these in).
+CONTEXT = ("pyproject.toml", "README.md", "gpuobj", "contract", "kube", "agent", "operator")
+
+
+def context_digest() -> str:
+    """sha256 of the Dockerfile and the files of the build context: when it is unchanged, so are the images."""
+    h = hashlib.sha256((REPO_ROOT / "Dockerfile").read_bytes())
+    for entry in CONTEXT:
+        root = REPO_ROOT / entry
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        for path in files:
+            rel = path.relative_to(REPO_ROOT)
+            if "__pycache__" in rel.parts or path.suffix == ".pyc" or any(".egg-info" in x for x in rel.parts):
+                continue
+            h.update(str(rel).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _bud(target: str, tag: str, quiet: bool) -> None:
     _run(
         [
             "buildah",
@@ -300,8 +319,34 @@ def build_target(target: str, *, quiet: bool = False) -> BuildResult:
         label=f"build {target}",
         capture=quiet,
     )
-    # Dangling intermediate images from earlier builds of changed sources: keep the store bounded.
+
+
+def build_target(target: str, *, quiet: bool = False) -> BuildResult:
+    """`buildah bud --target <target> --pull=never` of the project's Dockerfile, reusing cached layers.
+
+    Skipped when the image was built from the same context (digest recorded next to the store). When the
+    context changed, the old image and its cached stages go first: the agent image is 6 GB, and a rebuild
+    would otherwise hold two of everything on disk at once."""
+    ensure_standins()
+    tag = TARGETS[target]
+    started = time.monotonic()
+    digest = context_digest()
+    marker = IMAGES_ROOT / f"{target}.context"
+    if image_exists(tag) and marker.is_file() and marker.read_text() == digest:
+        return BuildResult(tag, time.monotonic() - started, image_size(tag))
+    marker.unlink(missing_ok=True)
+    stale = [tag, *(f"localhost/gpuobj-build/{s}:cache" for s in CACHE_STAGES[target])]
+    if target == "operator":  # the agent's chain shares `builder`: keep it when only the operator is rebuilt
+        stale = [tag]
+    subprocess.run(["buildah", "rm", "--all"], env=container_env(), capture_output=True)
+    subprocess.run(["buildah", "rmi", *[n for n in stale if image_exists(n)]], env=container_env(), capture_output=True)
     subprocess.run(["buildah", "rmi", "--prune"], env=container_env(), capture_output=True)
+    for stage in CACHE_STAGES[target]:
+        _bud(stage, f"localhost/gpuobj-build/{stage}:cache", quiet)
+    _bud(target, tag, quiet)
+    # Dangling chains of earlier builds (changed sources): keep the store bounded.
+    subprocess.run(["buildah", "rmi", "--prune"], env=container_env(), capture_output=True)
+    marker.write_text(digest)
     return BuildResult(tag, time.monotonic() - started, image_size(tag))
 
 

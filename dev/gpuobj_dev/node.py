@@ -245,11 +245,12 @@ class NodeState:
 class Node:
     """Start and stop the node processes for one DevCluster (whose state dir holds logs and config)."""
 
-    def __init__(self, state_dir: Path, *, log=print, spawn=None) -> None:
+    def __init__(self, state_dir: Path, *, log=print, preexec=None) -> None:
         self.dir = Path(state_dir) / "node"
         self.logs = Path(state_dir) / "logs"
         self.log = log
-        self._spawn_fn = spawn
+        # The cluster's die-with-parent hook (tests): a killed pytest takes the kubelet and containerd along.
+        self._preexec = preexec
         self.sock = RUN_DIR / "containerd.sock"
         self.state_file = self.dir / "node.json"
         self.kubelet_root = self.dir / "kubelet"
@@ -346,6 +347,7 @@ class Node:
                 cwd=self.dir,
                 start_new_session=True,
                 env=env or os.environ.copy(),
+                preexec_fn=self._preexec,
             )
         state.pids[name] = proc.pid
         self._save(state)
@@ -390,6 +392,8 @@ class Node:
             if name in present and marker.is_file() and marker.read_text() == podman_id:
                 continue
             started = time.monotonic()
+            if name in present:  # the old build goes first, so its layers are collected before the new land
+                self.ctr("images", "rm", "--sync", name, check=False)
             # Streamed (podman save | ctr import -): no multi-GB archive on disk in between.
             save = subprocess.Popen(
                 ["podman", "save", "--format", "docker-archive", name],
@@ -398,8 +402,10 @@ class Node:
                 env=images.container_env(),
             )
             ctr = toolchain.binary("ctr")
+            # Unpacked into a snapshot, the layer blobs are garbage: do not keep the image twice.
+            load_cmd = [str(ctr), "--address", str(self.sock), "--namespace", "k8s.io", "images", "import"]
             load = subprocess.run(
-                [str(ctr), "--address", str(self.sock), "--namespace", "k8s.io", "images", "import", "-"],
+                [*load_cmd, "--local", "--discard-unpacked-layers", "-"],
                 stdin=save.stdout,
                 capture_output=True,
                 text=True,

@@ -88,10 +88,14 @@ def test_probes_gate_readiness_and_failed_containers_restart(pods: Pods) -> None
         # Liveness fails at once (nothing listens): the kubelet kills and restarts the container.
         pod("unlive", ["import time; time.sleep(86400)"], livenessProbe={**probe, "failureThreshold": 1}),
         pod("crashes", ["raise SystemExit(3)"]),
+        # Running, but its readiness probe never succeeds: never Ready.
+        pod("unready", ["import time; time.sleep(86400)"], readinessProbe=probe),
     )
     pods.wait_ready("served")
     wait_until(lambda: pods.restarts("unlive") >= 1, "the liveness probe to restart unlive", timeout=180, interval=1)
     wait_until(lambda: pods.restarts("crashes") >= 1, "crashes to be restarted", timeout=180, interval=1)
     last = pods.pod("crashes")["status"]["containerStatuses"][0]["lastState"]["terminated"]
     assert last["exitCode"] == 3
-    assert pods.ready("unlive") is None
+    unready = pods.pod("unready")["status"]
+    assert unready["phase"] == "Running"
+    assert unready["containerStatuses"][0]["ready"] is False

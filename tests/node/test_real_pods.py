@@ -24,7 +24,7 @@ from gpuobj_dev.testing.waits import wait_until
 from tests.deploy.support import CHART, DEPLOY
 from tests.node.conftest import Pods
 
-pytestmark = [pytest.mark.node, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.node, pytest.mark.timeout(1200)]
 
 DRIVER = Path(__file__).with_name("workload_driver.py")
 RELEASE = "gpuobj"
@@ -90,11 +90,17 @@ def gpuobjects(pods: Pods, kind: str = "gpuobjects") -> list[str]:
     return pods.kubectl("get", kind, "-o", "name").stdout.split()
 
 
-@pytest.fixture
-def installed(node_cluster: ClusterHandle, pods: Pods):
-    """The chart, installed with the local operator image; uninstalled afterwards."""
-    values = Path(pods.cluster.cluster.state_dir) / "e2e-values.yaml"
-    values.write_text(yaml.safe_dump(chart_values(pods.ns)))
+@pytest.fixture(scope="module")
+def e2e(node_cluster: ClusterHandle):
+    """The chart installed with the local operator image, and the producer and consumer workload pods.
+
+    Teardown in the order a careful operator would: workload pods first (their claims are garbage-collected
+    and the operator frees what they held), then `helm uninstall`, then the namespaces."""
+    ns = "gpuobj-e2e"
+    node_cluster.kubectl("create", "namespace", ns)
+    pods = Pods(node_cluster, ns)
+    values = Path(node_cluster.cluster.state_dir) / "e2e-values.yaml"
+    values.write_text(yaml.safe_dump(chart_values(ns)))
     node_cluster.helm(
         "install",
         RELEASE,
@@ -109,63 +115,83 @@ def installed(node_cluster: ClusterHandle, pods: Pods):
         "10m",
         timeout=700,
     )
-    yield
-    node_cluster.helm("uninstall", RELEASE, "-n", SYSTEM_NS, "--wait", "--timeout", "5m", timeout=400)
-    node_cluster.kubectl("delete", "namespace", SYSTEM_NS, "--wait=true", "--timeout=120s")
+    try:
+        pods.apply(*workload_docs(["producer", "consumer"]))
+        for name in ("producer", "consumer"):
+            pods.wait_ready(name, timeout=600)
+        print("\n" + node_cluster.kubectl("get", "pods", "-A", "-o", "wide").stdout)
+        yield pods
+    finally:
+        pods.kubectl("delete", "pod", "producer", "consumer", "--ignore-not-found", "--wait=true", "--timeout=120s")
+        wait_until(lambda: gpuobjects(pods) == [], "every GPUObject freed once its pods are gone", 120, 0.5)
+        node_cluster.helm("uninstall", RELEASE, "-n", SYSTEM_NS, "--wait", "--timeout", "5m", timeout=400)
+        node_cluster.kubectl("delete", "namespace", SYSTEM_NS, ns, "--wait=true", "--timeout=120s")
 
 
-def test_real_pod_lifecycle(node_cluster: ClusterHandle, pods: Pods, installed: None) -> None:
+def operator_pod(cluster: ClusterHandle) -> str:
+    (name,) = Pods(cluster, SYSTEM_NS).kubectl("get", "pods", "-o", "name").stdout.split()
+    return name.removeprefix("pod/")
+
+
+def test_operator_pod_runs_with_in_cluster_credentials(node_cluster: ClusterHandle, e2e: Pods) -> None:
     system = Pods(node_cluster, SYSTEM_NS)
-    (operator_pod,) = system.kubectl("get", "pods", "-o", "name").stdout.split()
-    operator_pod = operator_pod.removeprefix("pod/")
-    op = system.wait_ready(operator_pod)
+    op = system.wait_ready(operator_pod(node_cluster))
     assert op["spec"]["containers"][0]["image"] == images.OPERATOR_IMAGE
     assert op["spec"]["serviceAccountName"] == f"{RELEASE}-operator"
+    # Ready means leading and synced: it reached the API server from the pod with its ServiceAccount token.
+    lease = system.get("lease", f"{RELEASE}-operator")
+    assert lease["spec"]["holderIdentity"].startswith(op["metadata"]["name"])
 
-    pods.apply(*workload_docs(["producer", "consumer"]))
-    for name in ("producer", "consumer"):
-        pods.wait_ready(name, timeout=600)
-    producer, consumer = Workload(pods, "producer"), Workload(pods, "consumer")
-    print("\n" + node_cluster.kubectl("get", "pods", "-A", "-o", "wide").stdout)
 
-    # put -> share -> adopt -> fetch (NIXL between pod IPs) -> release both -> freed.
+def test_put_share_fetch_release_between_pod_ips(node_cluster: ClusterHandle, e2e: Pods) -> None:
+    producer, consumer = Workload(e2e, "producer"), Workload(e2e, "consumer")
     put = producer.call("put", key="w", name="weights", seed=7)
     shared = producer.call("share", key="w", pod="consumer")["shared"]
     consumer.call("adopt", key="w", shared=shared)
-    assert consumer.call("fetch", key="w")["digest"] == put["digest"]
+    assert consumer.call("fetch", key="w")["digest"] == put["digest"]  # NIXL, UCX over TCP, pod IP to pod IP
     producer.call("release", key="w")
-    assert gpuobjects(pods) == ["gpuobject.gpuobj.io/weights"], "the consumer's claim keeps it"
+    assert gpuobjects(e2e) == ["gpuobject.gpuobj.io/weights"], "the consumer's claim keeps it"
     assert producer.store_bytes() >= put["bytes"]
     consumer.call("release", key="w")
-    wait_until(lambda: gpuobjects(pods) == [] and producer.store_bytes() == 0, "weights freed", 120, 0.5)
+    wait_until(lambda: gpuobjects(e2e) == [] and producer.store_bytes() == 0, "weights freed", 120, 0.5)
+    assert gpuobjects(e2e, "gpuobjectclaims") == []
 
-    # A workload container dies holding a claim: the kubelet restarts it; its claim must not keep bytes.
-    put = producer.call("put", key="c", name="checkpoint", seed=8)
-    consumer.call("adopt", key="c", shared=producer.call("share", key="c", pod="consumer")["shared"])
-    producer.call("release", key="c")
-    restarts = pods.restarts("consumer")
-    with pytest.raises(OSError):
-        consumer.call("exit", code=137)
-    wait_until(lambda: pods.restarts("consumer") > restarts, "consumer restarted", 180, 1)
-    pods.wait_ready("consumer", timeout=600)
-    wait_until(lambda: gpuobjects(pods) == [] and producer.store_bytes() == 0, "the dead holder's object freed", 180, 1)
 
-    # The operator pod is deleted while an object is live: the Deployment recreates it, nothing is freed wrongly.
+def test_operator_pod_deleted_while_objects_live(node_cluster: ClusterHandle, e2e: Pods) -> None:
+    """The Deployment recreates the operator; nothing referenced is freed, and frees work afterwards."""
+    producer, consumer = Workload(e2e, "producer"), Workload(e2e, "consumer")
+    system = Pods(node_cluster, SYSTEM_NS)
     put = producer.call("put", key="k", name="kept", seed=9)
-    shared = producer.call("share", key="k", pod="consumer")["shared"]
-    consumer.call("adopt", key="k", shared=shared)
-    system.kubectl("delete", "pod", operator_pod, "--wait=true", "--timeout=120s")
-    new_op = wait_until(
-        lambda: [p for p in system.kubectl("get", "pods", "-o", "name").stdout.split() if operator_pod not in p],
+    consumer.call("adopt", key="k", shared=producer.call("share", key="k", pod="consumer")["shared"])
+    old = operator_pod(node_cluster)
+    system.kubectl("delete", "pod", old, "--wait=true", "--timeout=120s")
+    new = wait_until(
+        lambda: [p for p in system.kubectl("get", "pods", "-o", "name").stdout.split() if old not in p],
         "a new operator pod",
         120,
         0.5,
     )[0].removeprefix("pod/")
-    system.wait_ready(new_op, timeout=300)
+    system.wait_ready(new, timeout=300)
     assert consumer.call("fetch", key="k")["digest"] == put["digest"]
-    assert gpuobjects(pods) == ["gpuobject.gpuobj.io/kept"]
+    assert gpuobjects(e2e) == ["gpuobject.gpuobj.io/kept"]
     producer.call("release", key="k")
     consumer.call("release", key="k")
-    wait_until(lambda: gpuobjects(pods) == [] and producer.store_bytes() == 0, "kept freed", 120, 0.5)
-    assert gpuobjects(pods, "gpuobjectclaims") == []
-    print(node_cluster.kubectl("get", "pods", "-A", "-o", "wide").stdout)
+    wait_until(lambda: gpuobjects(e2e) == [] and producer.store_bytes() == 0, "kept freed", 120, 0.5)
+    assert gpuobjects(e2e, "gpuobjectclaims") == []
+    print("\n" + node_cluster.kubectl("get", "pods", "-A", "-o", "wide").stdout)
+
+
+def test_killed_workload_container_gives_up_its_claims(node_cluster: ClusterHandle, e2e: Pods) -> None:
+    """The consumer's process dies holding a claim; the kubelet restarts the container in the same pod
+    (same UID, so ownerReference garbage collection does not apply). The issue asks that the dead
+    process's claims go and the bytes be freed."""
+    producer, consumer = Workload(e2e, "producer"), Workload(e2e, "consumer")
+    producer.call("put", key="c", name="checkpoint", seed=8)
+    consumer.call("adopt", key="c", shared=producer.call("share", key="c", pod="consumer")["shared"])
+    producer.call("release", key="c")
+    restarts = e2e.restarts("consumer")
+    with pytest.raises(OSError):
+        consumer.call("exit", code=137)
+    wait_until(lambda: e2e.restarts("consumer") > restarts, "consumer restarted", 180, 1)
+    e2e.wait_ready("consumer", timeout=600)
+    wait_until(lambda: gpuobjects(e2e) == [] and producer.store_bytes() == 0, "the dead holder's object freed", 60, 1)
