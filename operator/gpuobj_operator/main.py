@@ -113,16 +113,22 @@ def build_registry(reconciler: Reconciler, config: KubeConfig) -> kopf.OperatorR
 
     @kopf.on.login(registry=registry)
     def login(**_):
-        # The same credentials as our own client (--kubeconfig or in-cluster), re-read for rotated tokens.
+        # The same credentials as our own client (the `kubernetes` package's loaders: kubeconfig with exec
+        # plugins or auth-providers, or in-cluster). kopf logs in again after a 401 or at `expiration`, and
+        # each login loads the credentials anew (a new exec run, a re-read token file).
+        config.invalidate()
+        creds = config.credentials()
+        scheme, _, token = (creds.authorization or "").partition(" ")
         return kopf.ConnectionInfo(
-            server=config.server,
-            ca_path=config.ca_path,
-            insecure=config.insecure or None,
-            certificate_path=config.cert_path,
-            private_key_path=config.key_path,
-            scheme="Bearer" if config.bearer() else None,
-            token=config.bearer(),
-            default_namespace=config.namespace,
+            server=creds.server,
+            ca_path=creds.ca_path,
+            insecure=creds.insecure or None,
+            certificate_path=creds.cert_path,
+            private_key_path=creds.key_path,
+            scheme=scheme or None,
+            token=token or None,
+            default_namespace=creds.namespace,
+            expiration=creds.expiry,
         )
 
     @kopf.on.event(names.GROUP, names.VERSION, names.PLURAL_OBJECT, registry=registry)
