@@ -15,6 +15,7 @@ import asyncio
 import atexit
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gpuobj.client import errors
 from gpuobj.client.errors import FetchError, ObjectLostError, ObjectNotFoundError
 from gpuobj.client.handles import ObjectAddress, ObjectRef, SharedRef, TensorLayout
 from gpuobj.client.loop import LoopThread
@@ -59,6 +61,66 @@ def _at_shutdown(fn) -> None:
         register(fn)
     except RuntimeError:  # already shutting down
         atexit.register(fn)
+
+
+def _pod_environment(**given: Any) -> dict[str, Any]:
+    """Arguments given, else the downward-API environment; a clear error naming every variable missing."""
+    from gpuobj_agent import config as agent_config  # one home for the variable names
+
+    sources = {
+        "pod_name": agent_config.POD_NAME_ENV,
+        "namespace": agent_config.POD_NAMESPACE_ENV,
+        "pod_uid": agent_config.POD_UID_ENV,
+        "token_file": names.TOKEN_ENV,
+        "port": agent_config.PORT_ENV,
+    }
+    values = {key: given[key] if given.get(key) is not None else os.environ.get(var) for key, var in sources.items()}
+    values["port"] = values["port"] or names.DEFAULT_AGENT_PORT
+    missing = [sources[k] for k, v in values.items() if not v]
+    if missing:
+        raise errors.ConfigurationError(
+            f"Client.connect(): {', '.join(missing)} not set; in a pod set them from the downward API "
+            "(see docs/workload-pods.md and deploy/examples/workload-pod.yaml), or pass the arguments"
+        )
+    try:
+        values["port"] = int(values["port"])
+    except ValueError:
+        raise errors.ConfigurationError(f"{agent_config.PORT_ENV}={values['port']!r} is not a port number") from None
+    return values
+
+
+def _describe(ref: Any) -> str:
+    address = getattr(ref, "address", ref)
+    return f"GPUObject {getattr(address, 'namespace', '?')}/{getattr(address, 'name', '?')}"
+
+
+def _live_address(ref: ObjectRef | ObjectAddress, action: str) -> ObjectAddress:
+    """The address of a handle that still holds its reference; a released one refuses (it no longer keeps the bytes)."""
+    if isinstance(ref, ObjectRef):
+        if ref.kind != "address" and not ref.alive:
+            raise errors.ReleasedHandleError(
+                f"cannot {action} {_describe(ref)}: this handle was released; borrow or adopt a new reference"
+            )
+        return ref.address
+    if isinstance(ref, ObjectAddress):
+        return ref
+    raise TypeError(f"cannot {action} {type(ref).__name__}: expected an ObjectRef or ObjectAddress")
+
+
+def _tensor_list(tensors: Any, *, what: str) -> list:
+    """A list of torch tensors from a tensor or a list/tuple of them; anything else is a clear error."""
+    import torch
+
+    items = list(tensors) if isinstance(tensors, list | tuple) else [tensors]
+    if not items:
+        raise errors.InvalidTensorError(f"{what}: no tensors given (pass a tensor or a non-empty list of tensors)")
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise errors.InvalidTensorError(
+                f"{what}: item {i} is a {type(t).__name__}, not a torch.Tensor "
+                "(pass a tensor or a list/tuple of tensors; convert with torch.as_tensor)"
+            )
+    return items
 
 
 def layout_of(tensor: Any) -> TensorLayout:
@@ -113,26 +175,37 @@ class Client:
     def connect(
         cls,
         *,
-        pod_name: str,
-        namespace: str,
-        pod_uid: str,
-        token_file: str | Path,
+        pod_name: str | None = None,
+        namespace: str | None = None,
+        pod_uid: str | None = None,
+        token_file: str | Path | None = None,
         host: str = "0.0.0.0",
-        port: int = names.DEFAULT_AGENT_PORT,
+        port: int | None = None,
         kubeconfig: str | Path | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> Client:
         """Start the embedded agent in this process and connect to the API server.
 
-        With a wildcard ``host`` the agent advertises $GPUOBJ_POD_IP (the downward API's
-        status.podIP), so other pods reach it at the pod's address.
+        In a pod, `Client.connect()` with no arguments reads the documented downward-API
+        environment (docs/workload-pods.md): GPUOBJ_POD_NAME, GPUOBJ_POD_NAMESPACE, GPUOBJ_POD_UID,
+        GPUOBJ_TOKEN_FILE, and optionally GPUOBJ_POD_IP and GPUOBJ_AGENT_PORT. With a wildcard
+        ``host`` the agent advertises $GPUOBJ_POD_IP, so other pods reach it at the pod's address.
         """
+        env = _pod_environment(
+            pod_name=pod_name, namespace=namespace, pod_uid=pod_uid, token_file=token_file, port=port
+        )
+        pod_name, namespace, pod_uid, token_file, port = (
+            env["pod_name"], env["namespace"], env["pod_uid"], env["token_file"], int(env["port"])
+        )  # fmt: skip
         from gpuobj_agent.runtime import AgentRuntime
 
         agent = AgentRuntime(
             pod_name=pod_name, namespace=namespace, pod_uid=pod_uid, host=host, port=port, token_file=str(token_file)
         )
-        agent.start()
+        try:
+            agent.start()
+        except Exception as exc:
+            raise errors.agent_error(exc, what=f"start the gpuobj agent on port {port}") from exc
         try:
             return cls(
                 pod_name=pod_name,
@@ -144,57 +217,75 @@ class Client:
                 timeout=timeout,
                 owns_agent=True,
             )
-        except BaseException:
+        except BaseException as exc:
             agent.stop()
-            raise
+            raise errors.agent_error(exc, what="connect to the API server") from exc
 
     # ------------------------------------------------------------ sync facade
 
-    def _call(self, coro):
-        return self._loop.call(coro, self.timeout)
+    def _call(self, coro, what: str):
+        """Run on the client loop; whatever goes wrong underneath comes out as a GpuObjError."""
+        try:
+            return self._loop.call(coro, self.timeout)
+        except BaseException as exc:
+            raise errors.agent_error(exc, what=what) from exc
 
-    def put(self, tensors: Any, *, name: str | None = None, labels: dict[str, str] | None = None) -> ObjectRef:
-        return self._call(self.aput_inner(tensors, name=name, labels=labels))
+    async def _acall(self, coro, what: str):
+        try:
+            return await self._loop.acall(coro, self.timeout)
+        except BaseException as exc:
+            raise errors.agent_error(exc, what=what) from exc
+
+    def put(
+        self, tensors: Any, *, name: str | None = None, labels: dict[str, str] | None = None, copy: bool = False
+    ) -> ObjectRef:
+        """Store tensors (zero-copy unless `copy`) as a GPUObject whose source is this pod."""
+        return self._call(self.aput_inner(tensors, name=name, labels=labels, copy=copy), "put")
 
     def fetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
-        return self._call(self.afetch_inner(ref, device=device))
+        return self._call(self.afetch_inner(ref, device=device), f"fetch {_describe(ref)}")
 
     def borrow(self, ref: ObjectRef | ObjectAddress) -> ObjectRef:
-        return self._call(self.aborrow_inner(ref))
+        return self._call(self.aborrow_inner(ref), f"borrow {_describe(ref)}")
 
     def share(self, ref: ObjectRef | ObjectAddress, pod_name: str, pod_uid: str | None = None) -> SharedRef:
-        return self._call(self.ashare_inner(ref, pod_name, pod_uid))
+        return self._call(self.ashare_inner(ref, pod_name, pod_uid), f"share {_describe(ref)} with pod {pod_name}")
 
     def adopt(self, shared: SharedRef) -> ObjectRef:
         return self._adopt(shared)
 
     def release(self, ref: ObjectRef) -> None:
         """Drop a reference and wait until the API has it (deleted claim or GPUObject)."""
-        self._call(self.arelease_inner(ref))
+        self._call(self.arelease_inner(ref), f"release {_describe(ref)}")
 
     def publish(self, key: str, tensors: Any) -> None:
         """Offer tensors under a key, for a GPUObject declared with kubectl (spec.key) to bind."""
-        self.agent.publish(key, list(tensors) if isinstance(tensors, list | tuple) else [tensors])
+        try:
+            self.agent.publish(key, _tensor_list(tensors, what=f"publish {key!r}"))
+        except Exception as exc:
+            raise errors.agent_error(exc, what=f"publish {key!r}") from exc
 
     def get_object(self, name: str) -> dict:
-        return self._call(self._kube.get(GPUOBJECTS, name, self.namespace))
+        return self._call(self._kube.get(GPUOBJECTS, name, self.namespace), f"get GPUObject {name}")
 
     # ------------------------------------------------------------ async facade (asyncio workloads)
 
-    async def aput(self, tensors: Any, *, name: str | None = None, labels: dict[str, str] | None = None) -> ObjectRef:
-        return await self._loop.acall(self.aput_inner(tensors, name=name, labels=labels), self.timeout)
+    async def aput(
+        self, tensors: Any, *, name: str | None = None, labels: dict[str, str] | None = None, copy: bool = False
+    ) -> ObjectRef:
+        return await self._acall(self.aput_inner(tensors, name=name, labels=labels, copy=copy), "put")
 
     async def afetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
-        return await self._loop.acall(self.afetch_inner(ref, device=device), self.timeout)
+        return await self._acall(self.afetch_inner(ref, device=device), f"fetch {_describe(ref)}")
 
     async def aborrow(self, ref: ObjectRef | ObjectAddress) -> ObjectRef:
-        return await self._loop.acall(self.aborrow_inner(ref), self.timeout)
+        return await self._acall(self.aborrow_inner(ref), f"borrow {_describe(ref)}")
 
     async def ashare(self, ref: ObjectRef | ObjectAddress, pod_name: str, pod_uid: str | None = None) -> SharedRef:
-        return await self._loop.acall(self.ashare_inner(ref, pod_name, pod_uid), self.timeout)
+        return await self._acall(self.ashare_inner(ref, pod_name, pod_uid), f"share {_describe(ref)} with {pod_name}")
 
     async def arelease(self, ref: ObjectRef) -> None:
-        await self._loop.acall(self.arelease_inner(ref), self.timeout)
+        await self._acall(self.arelease_inner(ref), f"release {_describe(ref)}")
 
     # ------------------------------------------------------------ implementation (runs on the client loop)
 
@@ -239,13 +330,14 @@ class Client:
         name: str | None = None,
         labels: dict[str, str] | None = None,
         stream: tuple[str, int, str] | None = None,
+        copy: bool = False,
     ) -> ObjectRef:
-        tensors = list(tensors) if isinstance(tensors, list | tuple) else [tensors]
+        tensors = _tensor_list(tensors, what="put")
         object_id = f"o-{_short_id()}"
         name = name or f"{self.pod_name}-{object_id[2:12]}"
         layouts = tuple(layout_of(t) for t in tensors)
         stream_kw = {"stream": stream[0], "stream_index": stream[1]} if stream else {}
-        await self.agent.aput(object_id, tensors, **stream_kw)
+        await self.agent.aput(object_id, tensors, copy=copy, **stream_kw)
         try:
             created = await self._kube.create(
                 GPUOBJECTS, self.object_body(name, object_id, layouts, labels=labels, stream=stream), self.namespace
@@ -261,7 +353,7 @@ class Client:
         return self._track(ObjectRef(address, "owner", self._enqueue_release))
 
     async def afetch_inner(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
-        address = ref.address if isinstance(ref, ObjectRef) else ref
+        address = _live_address(ref, "fetch")
         try:
             # The runtime's async API runs on the agent's own loop: no thread is blocked waiting.
             return await self.agent.afetch(
@@ -305,7 +397,7 @@ class Client:
         return await self._kube.create(CLAIMS, body, address.namespace)
 
     async def aborrow_inner(self, ref: ObjectRef | ObjectAddress) -> ObjectRef:
-        address = ref.address if isinstance(ref, ObjectRef) else ref
+        address = _live_address(ref, "borrow")
         created = await self._create_claim(address, self.pod_name, self.pod_uid)
         return self._track(
             ObjectRef(
@@ -318,7 +410,7 @@ class Client:
         )
 
     async def ashare_inner(self, ref: ObjectRef | ObjectAddress, pod_name: str, pod_uid: str | None) -> SharedRef:
-        address = ref.address if isinstance(ref, ObjectRef) else ref
+        address = _live_address(ref, "share")
         if pod_uid is None:
             pod_uid = await self._pod_uid(address.namespace, pod_name)
         created = await self._create_claim(address, pod_name, pod_uid)
@@ -331,13 +423,21 @@ class Client:
         cached = self._pod_uids.get((namespace, pod_name))
         if cached and now - cached[1] < POD_UID_TTL:
             return cached[0]
-        uid = (await self._kube.get(PODS, pod_name, namespace))["metadata"]["uid"]
+        try:
+            uid = (await self._kube.get(PODS, pod_name, namespace))["metadata"]["uid"]
+        except NotFound:
+            raise errors.PodNotFoundError(
+                f"pod {namespace}/{pod_name} does not exist: share with a running pod (check its name)"
+            ) from None
         self._pod_uids[(namespace, pod_name)] = (uid, now)
         return uid
 
     def _adopt(self, shared: SharedRef) -> ObjectRef:
         if shared.holder_pod != self.pod_name:
-            raise ValueError(f"this reference was shared with pod {shared.holder_pod}, not {self.pod_name}")
+            raise errors.GpuObjError(
+                f"this reference was shared with pod {shared.holder_pod}, not {self.pod_name}: "
+                f"share it with {self.pod_name} instead"
+            )
         return self._track(
             ObjectRef(
                 shared.address, "claim", self._enqueue_release, claim_name=shared.claim_name, claim_uid=shared.claim_uid

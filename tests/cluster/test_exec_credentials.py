@@ -61,9 +61,7 @@ def _exec_kubeconfig(cluster: ClusterHandle, tmp_path: Path, token: str, namespa
     plugin = tmp_path / "get-token.py"
     runs = tmp_path / "plugin-runs"
     credential = {"apiVersion": "client.authentication.k8s.io/v1", "kind": "ExecCredential", "status": {"token": token}}
-    plugin.write_text(
-        f"import json\nopen({str(runs)!r}, 'a').write('run\\n')\nprint(json.dumps({credential!r}))\n"
-    )
+    plugin.write_text(f"import json\nopen({str(runs)!r}, 'a').write('run\\n')\nprint(json.dumps({credential!r}))\n")
     plugin.chmod(plugin.stat().st_mode | stat.S_IEXEC)
     doc = {
         "apiVersion": "v1",

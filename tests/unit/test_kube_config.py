@@ -69,7 +69,9 @@ def _runs(tmp_path: Path) -> int:
 
 
 def test_exec_plugin_token_is_used_with_its_expiry_and_refreshed_after_invalidate(tmp_path: Path) -> None:
-    path = _write(tmp_path / "config", _kubeconfig(_exec_plugin(tmp_path, token="t-1", expires_in=dt.timedelta(hours=1))))
+    path = _write(
+        tmp_path / "config", _kubeconfig(_exec_plugin(tmp_path, token="t-1", expires_in=dt.timedelta(hours=1)))
+    )
     config = from_kubeconfig(path)
     creds = config.credentials()
     assert creds.authorization == "Bearer t-1"
