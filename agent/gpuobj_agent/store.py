@@ -41,7 +41,7 @@ from gpuobj_agent.errors import (
     TransportError,
 )
 from gpuobj_agent.generations import GenerationTable
-from gpuobj_agent.layouts import TensorLayout
+from gpuobj_agent.layouts import TensorLayout, allocate, layout_of
 from gpuobj_agent.metrics import AgentMetrics, Levels
 from gpuobj_agent.nixl_transport import NixlAgent, Span, region_of
 from gpuobj_agent.quarantine import Quarantine
@@ -209,7 +209,7 @@ class ObjectStore:
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
                 raise BadRequest(f"tensor {i} is a {type(t).__name__}, not a torch.Tensor")
-            TensorLayout.of(t)  # validates dtype and device
+            layout_of(t)  # validates dtype and device
             if not t.is_contiguous():
                 if not copy:
                     raise BadRequest(
@@ -244,7 +244,7 @@ class ObjectStore:
         tensors = self._prepare(tensors, copy)
         if any(t.device.type == "cuda" for t in tensors):
             await self._control(_sync_cuda, tensors)  # off the loop: a device sync may take a while
-        layouts = [TensorLayout.of(t) for t in tensors]
+        layouts = [layout_of(t) for t in tensors]
         spans = [Span.of(t) for t in tensors]
         keys = list(dict.fromkeys(k for k in (region_of(t) for t in tensors) if k is not None))
         for attempt in range(2):
@@ -322,7 +322,7 @@ class ObjectStore:
             tensors = self.published.get(key)
             if tensors is None:
                 raise KeyNotPublished(f"key {key!r} is not published by the workload")
-            have = [TensorLayout.of(t) for t in tensors]
+            have = [layout_of(t) for t in tensors]
             if have != layouts:
                 raise Conflict(
                     f"the tensors published under {key!r} have layouts "
@@ -338,7 +338,7 @@ class ObjectStore:
                 ):
                     raise BadRequest(f"device {layout.device} is not available on this pod")
             try:
-                tensors = [layout.allocate(zero=True) for layout in layouts]
+                tensors = [allocate(layout, zero=True) for layout in layouts]
             except (RuntimeError, MemoryError) as exc:
                 raise InsufficientMemory(f"allocating {total} bytes failed: {exc}") from exc
         try:

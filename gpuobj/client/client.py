@@ -30,6 +30,7 @@ from gpuobj.client.errors import FetchError, ObjectLostError, ObjectNotFoundErro
 from gpuobj.client.handles import ObjectAddress, ObjectRef, SharedRef, TensorLayout
 from gpuobj.client.loop import LoopThread
 from gpuobj.client.streams import StreamReader, StreamWriter, adelete_stream
+from gpuobj_agent.layouts import layout_of
 from gpuobj_contract import names
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, Conflict, KubeClient, NotFound
 from gpuobj_kube.config import KubeConfig
@@ -121,12 +122,6 @@ def _tensor_list(tensors: Any, *, what: str) -> list:
                 "(pass a tensor or a list/tuple of tensors; convert with torch.as_tensor)"
             )
     return items
-
-
-def layout_of(tensor: Any) -> TensorLayout:
-    return TensorLayout(
-        tuple(int(d) for d in tensor.shape), str(tensor.dtype).removeprefix("torch."), str(tensor.device)
-    )
 
 
 class Client:
@@ -307,7 +302,7 @@ class Client:
         spec: dict = {
             "source": {"podName": self.pod_name, "podUID": self.pod_uid},
             "objectId": object_id,
-            "tensors": [t.to_spec() for t in layouts],
+            "tensors": [t.to_json() for t in layouts],
         }
         if stream is not None:
             stream_name, index, stream_uid = stream

@@ -13,21 +13,9 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gpuobj_contract.layouts import tensor_bytes
+from gpuobj_contract.layouts import TensorLayout
 
-
-@dataclass(frozen=True)
-class TensorLayout:
-    shape: tuple[int, ...]
-    dtype: str
-    device: str
-
-    def to_spec(self) -> dict:
-        return {"shape": list(self.shape), "dtype": self.dtype, "device": self.device}
-
-    @classmethod
-    def from_spec(cls, spec: dict) -> TensorLayout:
-        return cls(tuple(int(d) for d in spec.get("shape", [])), spec["dtype"], spec.get("device", "cpu"))
+__all__ = ["ObjectAddress", "ObjectRef", "SharedRef", "TensorLayout"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +32,7 @@ class ObjectAddress:
 
     @property
     def bytes(self) -> int:
-        return tensor_bytes([t.to_spec() for t in self.layouts])
+        return sum(t.nbytes for t in self.layouts)
 
 
 ReleaseFn = Callable[[str, str, str, str], None]  # (kind, namespace, name, uid)

@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from gpuobj.client.errors import StreamClosedError
-from gpuobj.client.handles import ObjectAddress, TensorLayout
+from gpuobj.client.handles import ObjectAddress
 from gpuobj_contract import names
+from gpuobj_contract.layouts import parse_layouts
 from gpuobj_kube.client import GPUOBJECTS, STREAMS, Conflict, Gone, NotFound, wait_for
 
 if TYPE_CHECKING:
@@ -242,7 +243,7 @@ def _address_of(obj: dict) -> ObjectAddress:
         spec["objectId"],
         spec["source"]["podName"],
         endpoint,
-        tuple(TensorLayout.from_spec(t) for t in spec["tensors"]),
+        tuple(parse_layouts(spec["tensors"], "spec.tensors", ignore=frozenset({"name"}))),
     )
 
 
