@@ -19,6 +19,7 @@ from aiohttp import web
 from gpuobj_agent.errors import AgentError, BadRequest, NotReady, Unauthorized
 from gpuobj_agent.layouts import parse_layouts
 from gpuobj_agent.store import check_id, check_stream
+from gpuobj_contract import agent_api as api
 
 if TYPE_CHECKING:
     from gpuobj_agent.agent import Agent
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 MAX_BODY = 1 << 20
 AGENT_KEY = web.AppKey("gpuobj_agent", object)  # the Agent (typed loosely: agent.py imports this module)
-OPEN_PATHS = ("/healthz", "/readyz", "/metrics")
+OPEN_PATHS = tuple(route.template for route in api.OPEN_ROUTES)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -43,7 +44,9 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     """
     agent: Agent = request.app[AGENT_KEY]  # type: ignore[assignment]
     try:
-        if request.path.startswith("/v1/") and not agent.tokens.check(request.headers.get("Authorization")):
+        if request.path.startswith(api.PROTECTED_PREFIX) and not agent.tokens.check(
+            request.headers.get("Authorization")
+        ):
             raise Unauthorized("missing or wrong bearer token")
         return await handler(request)
     except AgentError as exc:
@@ -182,17 +185,20 @@ def build_app(agent: Agent, extra: Callable[[web.Application], None] | None = No
     app = web.Application(middlewares=[_guard], client_max_size=MAX_BODY)
     app[AGENT_KEY] = agent
     r = Routes(agent)
-    app.router.add_get("/healthz", r.healthz)
-    app.router.add_get("/readyz", r.readyz)
-    app.router.add_get("/metrics", r.metrics)
-    app.router.add_get("/v1/info", r.info)
-    app.router.add_get("/v1/objects", r.inventory)
-    app.router.add_get("/v1/objects/{id}", r.get_object)
-    app.router.add_put("/v1/objects/{id}", r.put_object)
-    app.router.add_post("/v1/objects/{id}/reads", r.begin_read)
-    app.router.add_delete("/v1/reads/{read_id}", r.end_read)
-    app.router.add_post("/v1/objects/{id}/free", r.free)
-    app.router.add_post("/v1/streams/{stream}/free", r.free_stream)
+    for route, handler in (
+        (api.HEALTHZ, r.healthz),
+        (api.READYZ, r.readyz),
+        (api.METRICS, r.metrics),
+        (api.INFO, r.info),
+        (api.INVENTORY, r.inventory),
+        (api.GET_OBJECT, r.get_object),
+        (api.MATERIALIZE, r.put_object),
+        (api.BEGIN_READ, r.begin_read),
+        (api.END_READ, r.end_read),
+        (api.FREE, r.free),
+        (api.FREE_STREAM, r.free_stream),
+    ):
+        app.router.add_route(route.method, route.template, handler)
     if extra is not None:
         extra(app)
     return app

@@ -47,12 +47,13 @@ from gpuobj_agent.nixl_transport import NixlAgent, Span, region_of
 from gpuobj_agent.quarantine import Quarantine
 from gpuobj_agent.registrations import RegionKey, RegionReused, RegistrationLedger
 from gpuobj_agent.tickets import ReadTickets
+from gpuobj_contract import agent_api as api
 
 log = logging.getLogger(__name__)
 
 ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 # A reader attaches this + readId to its READ; NIXL hands it to us once the data was read.
-READ_END_PREFIX = b"gpuobj-read-end:"
+READ_END_PREFIX = api.READ_END_NOTIF_PREFIX.encode()
 NOTIFY_POLL_SECONDS = 0.001
 STREAM_RE = re.compile(r"^[A-Za-z0-9._-]{1,253}$")
 

@@ -8,10 +8,12 @@ timeout or a 5xx is not, and is retried.
 from __future__ import annotations
 
 import errno
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+
+from gpuobj_contract import agent_api as api
+from gpuobj_contract.agent_api import FreeAnswer, FreeRequest
 
 
 class AgentError(Exception):
@@ -29,14 +31,6 @@ class AgentUnreachable(Exception):
 
 class AgentGone(AgentUnreachable):
     """Connection refused: no agent listens at that address any more."""
-
-
-@dataclass(frozen=True)
-class FreeResult:
-    freed: bool
-    bytes: int
-    waited_seconds: float
-    message: str
 
 
 def _is_refused(exc: BaseException) -> bool:
@@ -72,12 +66,12 @@ class AgentClient:
             self._session = None
 
     async def _call(
-        self, method: str, endpoint: str, path: str, *, body: dict | None = None, timeout: float | None = None
+        self, route: api.Route, endpoint: str, path: str, *, body: dict | None = None, timeout: float | None = None
     ) -> dict:
         url = f"http://{endpoint}{path}"
         try:
             async with self.session.request(
-                method,
+                route.method,
                 url,
                 json=body,
                 headers={"Authorization": f"Bearer {self._token()}"},
@@ -97,22 +91,17 @@ class AgentClient:
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise AgentUnreachable(f"{endpoint}: {type(exc).__name__}: {exc}") from exc
 
-    async def free(self, endpoint: str, object_id: str, reason: str = "") -> FreeResult:
-        data = await self._call(
-            "POST", endpoint, f"/v1/objects/{object_id}/free", body={"reason": reason}, timeout=self.free_timeout
-        )
-        return FreeResult(
-            freed=bool(data.get("freed")),
-            bytes=int(data.get("bytes", 0)),
-            waited_seconds=float(data.get("waitedSeconds", 0.0)),
-            message=str(data.get("reason", "")),
-        )
+    async def free(self, endpoint: str, object_id: str, reason: str = "") -> FreeAnswer:
+        route = api.FREE
+        body = FreeRequest(reason=reason or None).to_json()
+        data = await self._call(route, endpoint, route.path(id=object_id), body=body, timeout=self.free_timeout)
+        return FreeAnswer.from_json(data)
 
     async def inventory(self, endpoint: str) -> dict:
-        return await self._call("GET", endpoint, "/v1/objects")
+        return await self._call(api.INVENTORY, endpoint, api.INVENTORY.path())
 
     async def info(self, endpoint: str) -> dict:
-        return await self._call("GET", endpoint, "/v1/info")
+        return await self._call(api.INFO, endpoint, api.INFO.path())
 
     async def materialize(self, endpoint: str, object_id: str, spec: dict) -> dict:
-        return await self._call("PUT", endpoint, f"/v1/objects/{object_id}", body=spec)
+        return await self._call(api.MATERIALIZE, endpoint, api.MATERIALIZE.path(id=object_id), body=spec)
