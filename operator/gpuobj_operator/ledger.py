@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from gpuobj_contract import names
 from gpuobj_operator.model import ClaimInfo, Key, ObjectInfo, PodInfo, StreamInfo
+from gpuobj_operator.statuses import condition, now_str
 
 # ---------------------------------------------------------------- actions
 
@@ -135,29 +136,6 @@ class Emit(Action):
     type: str
     reason: str
     message: str
-
-
-# ---------------------------------------------------------------- conditions
-
-
-def condition(
-    existing: list[dict], ctype: str, status: str, reason: str, message: str, generation: int, now: str
-) -> dict:
-    """A condition in the API conventions' shape; the transition time moves only when status does."""
-    previous = next((c for c in existing if c.get("type") == ctype), None)
-    since = previous["lastTransitionTime"] if previous and previous.get("status") == status else now
-    return {
-        "type": ctype,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "observedGeneration": generation,
-        "lastTransitionTime": since,
-    }
-
-
-def now_str(now: dt.datetime) -> str:
-    return now.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass

@@ -13,11 +13,13 @@ import contextlib
 import datetime as dt
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, ClassVar
 
 from gpuobj_contract import names
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, ApiError, Conflict, Invalid, KubeClient, NotFound
 from gpuobj_operator import audit as audit_mod
+from gpuobj_operator import statuses
 from gpuobj_operator.agent_client import AgentClient, AgentError, AgentGone, AgentUnreachable
 from gpuobj_operator.events import EventRecorder
 from gpuobj_operator.ledger import (
@@ -36,8 +38,6 @@ from gpuobj_operator.ledger import (
     PatchStreamStatus,
     ReleaseWithoutFree,
     SetClaimOwner,
-    condition,
-    now_str,
 )
 from gpuobj_operator.metrics import OperatorMetrics
 from gpuobj_operator.model import Key, PodInfo, parse_claim, parse_object, parse_pod, parse_stream
@@ -54,6 +54,10 @@ class RetryLater(Exception):
 
 
 class Reconciler:
+    """Executes the ledger's actions against the API server and the agents; decides nothing itself."""
+
+    _executors: ClassVar[dict[type[Action], Callable[[Reconciler, Any], Awaitable[None]]]]
+
     def __init__(
         self,
         kube: KubeClient,
@@ -195,8 +199,8 @@ class Reconciler:
                 self.queue.done(item)
 
     async def execute(self, action: Action) -> None:
-        handler = getattr(self, f"_do_{type(action).__name__}")
-        await handler(action)
+        """Run one action: a table from action type to its executor, checked when the class is built."""
+        await self._executors[type(action)](self, action)
 
     # ------------------------------------------------------------ actions
 
@@ -243,41 +247,29 @@ class Reconciler:
             answer = await self.agents.materialize(a.endpoint, a.object_id, spec)
         except AgentError as exc:
             if exc.status == 404:
-                await self._patch_object_status(a.key, self._pending_status(obj, "KeyNotPublished", exc.message))
+                pending = statuses.pending_status(
+                    generation=obj.generation, reason="KeyNotPublished", message=exc.message, now=_now()
+                )
+                await self._patch_object_status(a.key, pending)
                 raise RetryLater(f"key {obj.key_name!r} not published yet") from exc
-            await self._patch_object_status(a.key, self._failed_status(obj, "MaterializeFailed", exc.message))
+            failed = statuses.failed_status(
+                generation=obj.generation, reason="MaterializeFailed", message=exc.message, now=_now()
+            )
+            await self._patch_object_status(a.key, failed)
             self._emit("GPUObject", a.key, a.uid, "Warning", "MaterializeFailed", exc.message)
             return
         except AgentUnreachable as exc:
             raise RetryLater(f"agent at {a.endpoint} unreachable: {exc}") from exc
-        status = {
-            "state": names.STATE_READY,
-            "objectId": a.object_id,
-            "sourcePodUID": pod.uid,
-            "transport": {
-                "backend": "nixl",
-                "agentEndpoint": a.endpoint,
-                "agentIncarnation": str(answer.get("incarnation", "")),
-            },
-        }
+        status = statuses.materialized_status(
+            object_id=a.object_id,
+            pod_uid=pod.uid,
+            endpoint=a.endpoint,
+            incarnation=str(answer.get("incarnation", "")),
+        )
         await self._patch_object_status(a.key, status)
         self._emit(
             "GPUObject", a.key, a.uid, "Normal", "Materialized", f"agent on pod {pod.name} holds {obj.bytes} bytes"
         )
-
-    @staticmethod
-    def _pending_status(obj, reason: str, message: str) -> dict:
-        return {
-            "state": names.STATE_PENDING,
-            "conditions": [_cond(names.CONDITION_READY, "False", reason, message, obj.generation)],
-        }
-
-    @staticmethod
-    def _failed_status(obj, reason: str, message: str) -> dict:
-        return {
-            "state": names.STATE_FAILED,
-            "conditions": [_cond(names.CONDITION_READY, "False", reason, message, obj.generation)],
-        }
 
     async def _do_Free(self, a: Free) -> None:
         if a.uid in self._freed:
@@ -559,14 +551,9 @@ class Reconciler:
             if obj.deleting or obj.state == names.STATE_LOST:
                 continue
             message = f"agent of pod {pod.name} no longer holds object {obj.object_id} (agent restarted?)"
-            status = {
-                "state": names.STATE_LOST,
-                "sourcePodUID": pod.uid,
-                "conditions": [
-                    _cond(names.CONDITION_READY, "False", "SourceLost", message, obj.generation),
-                    _cond(names.CONDITION_SOURCE_AVAILABLE, "False", "AgentLostObject", message, obj.generation),
-                ],
-            }
+            status = statuses.agent_lost_object_status(
+                pod_uid=pod.uid, generation=obj.generation, message=message, now=_now()
+            )
             await self._patch_object_status(obj.key, status)  # counts gpuobj_lost_objects_total, once
             self._emit("GPUObject", obj.key, obj.uid, "Warning", "Lost", message)
         return max(0, findings.leaked_bytes - reclaimed)
@@ -598,8 +585,23 @@ class Reconciler:
         return total
 
 
-def _cond(
-    ctype: str, status: str, reason: str, message: str, generation: int, existing: list[dict] | None = None
-) -> dict:
-    """A condition stamped now (the ledger's builder: one shape for every condition gpuobj writes)."""
-    return condition(existing or [], ctype, status, reason, message, generation, now_str(dt.datetime.now(dt.UTC)))
+# Action type -> its executor. Every Action the ledger can return has one (a unit test checks it).
+Reconciler._executors = {
+    LookupPod: Reconciler._do_LookupPod,
+    AddFinalizer: Reconciler._do_AddFinalizer,
+    Materialize: Reconciler._do_Materialize,
+    Free: Reconciler._do_Free,
+    ReleaseWithoutFree: Reconciler._do_ReleaseWithoutFree,
+    DeleteObject: Reconciler._do_DeleteObject,
+    PatchObjectStatus: Reconciler._do_PatchObjectStatus,
+    PatchClaimStatus: Reconciler._do_PatchClaimStatus,
+    SetClaimOwner: Reconciler._do_SetClaimOwner,
+    DeleteClaim: Reconciler._do_DeleteClaim,
+    PatchStreamStatus: Reconciler._do_PatchStreamStatus,
+    FinishStream: Reconciler._do_FinishStream,
+    Emit: Reconciler._do_Emit,
+}
+
+
+def _now() -> str:
+    return statuses.now_str(dt.datetime.now(dt.UTC))
