@@ -37,7 +37,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def normalize_device(device: str | torch.device) -> str:
     """ "cpu" or "cuda:N": one spelling per device, so layouts compare equal."""
     text = str(device)
-    if not _DEVICE_RE.match(text):
+    if not _DEVICE_RE.fullmatch(text):
         raise BadRequest(f"device {text!r} is not valid (expected cpu, cuda or cuda:N)")
     return "cuda:0" if text == "cuda" else text
 

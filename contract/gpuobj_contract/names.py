@@ -34,7 +34,10 @@ ANNOTATION_SOURCE_ENDPOINT = f"{GROUP}/source-endpoint"  # the source agent, as 
 # Agent defaults.
 AGENT_PORT_NAME = "gpuobj-agent"
 DEFAULT_AGENT_PORT = 8471
+# A pod's projected ServiceAccount token for agents (audience AGENT_AUDIENCE): the operator's proves it is
+# the operator, a workload's proves which pod reads. Rotated by the kubelet; re-read on every use.
 TOKEN_ENV = "GPUOBJ_TOKEN_FILE"
+AGENT_AUDIENCE = "gpuobj.io/agent"
 
 # Object states (status.state) and condition types.
 STATE_PENDING = "Pending"
