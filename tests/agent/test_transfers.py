@@ -39,7 +39,9 @@ def put(proc: AgentProcess, oid: str, layouts: list[TensorLayout], seed: int) ->
 
 
 def fetch(proc: AgentProcess, src: AgentProcess, oid: str, **extra) -> tuple[int, dict]:
-    return proc.request("POST", "/v1/test/fetch", {"endpoint": src.endpoint, "id": oid, "token": proc.reader_token, **extra})
+    return proc.request(
+        "POST", "/v1/test/fetch", {"endpoint": src.endpoint, "id": oid, "token": proc.reader_token, **extra}
+    )
 
 
 def free(proc: AgentProcess, oid: str, **body) -> dict:

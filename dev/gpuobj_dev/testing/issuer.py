@@ -54,7 +54,7 @@ class TestIssuer:
         issuer = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            def do_GET(self) -> None:
                 issuer.requests += 1
                 if self.path == "/.well-known/openid-configuration":
                     body = {"issuer": issuer.url, "jwks_uri": f"{issuer.url}/openid/v1/jwks"}
@@ -96,7 +96,10 @@ class TestIssuer:
         """A token for `namespace/name`, bound to `pod` (name, uid) when given."""
         ns, _, name = service_account.partition("/")
         now = int(time.time())
-        k8s: dict = {"namespace": ns, "serviceaccount": {"name": name, "uid": str(uuid.uuid5(uuid.NAMESPACE_URL, name))}}
+        k8s: dict = {
+            "namespace": ns,
+            "serviceaccount": {"name": name, "uid": str(uuid.uuid5(uuid.NAMESPACE_URL, name))},
+        }
         if pod is not None:
             k8s["pod"] = {"name": pod[0], "uid": pod[1]}
         claims = {
