@@ -133,7 +133,10 @@ class IssuerKeys:
 
     async def _get_json(self, session: aiohttp.ClientSession, url: str) -> dict:
         token = self.bearer()
-        headers = {"Accept": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+        headers = {
+            "Accept": "application/json, application/jwk-set+json",
+            **({"Authorization": f"Bearer {token}"} if token else {}),
+        }
         async with session.get(url, headers=headers, ssl=self.ssl_context or True) as resp:
             body = await resp.content.read(MAX_JWKS_BYTES + 1)
             if resp.status != 200:

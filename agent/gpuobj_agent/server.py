@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from gpuobj_agent.auth import Caller, Forbidden
-from gpuobj_agent.errors import AgentError, BadRequest, NotReady
+from gpuobj_agent.errors import AgentError, BadRequest, Conflict, NotReady
 from gpuobj_agent.layouts import parse_layouts
 from gpuobj_agent.store import check_id, check_stream
+from gpuobj_contract import names
 
 if TYPE_CHECKING:
     from gpuobj_agent.agent import Agent
@@ -58,6 +59,10 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
             header = request.headers.get("Authorization")
             auth = agent.tokens
             request[CALLER] = await (auth.reader(header) if role == READER else auth.operator(header))
+            expect = request.headers.get(names.HEADER_POD_UID)
+            if role == OPERATOR and expect is not None and (not agent.config.pod_uid or expect != agent.config.pod_uid):
+                # The operator means another pod (its address was reused, or a pod lied about it).
+                raise Conflict(f"this agent serves pod uid {agent.config.pod_uid or '(none)'}, not {expect}")
         return await handler(request)
     except AgentError as exc:
         if exc.status >= 500 and exc.status != 503:

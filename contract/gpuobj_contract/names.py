@@ -38,6 +38,8 @@ DEFAULT_AGENT_PORT = 8471
 # the operator, a workload's proves which pod reads. Rotated by the kubelet; re-read on every use.
 TOKEN_ENV = "GPUOBJ_TOKEN_FILE"
 AGENT_AUDIENCE = "gpuobj.io/agent"
+# The operator names the pod uid it means on every control call; an agent serving another pod refuses (409).
+HEADER_POD_UID = "Gpuobj-Pod-UID"
 
 # Object states (status.state) and condition types.
 STATE_PENDING = "Pending"

@@ -52,6 +52,7 @@ class Materialize(Action):
     uid: str
     endpoint: str
     object_id: str
+    pod_uid: str = ""
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Free(Action):
     endpoint: str
     bytes: int
     reason: str
+    pod_uid: str = ""  # the agent must serve this pod (checked by the agent on the same call)
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,7 @@ class FinishStream(Action):
     key: Key
     uid: str
     producer_endpoint: str | None
+    producer_uid: str = ""
 
 
 @dataclass(frozen=True)
@@ -371,7 +374,8 @@ class Ledger:
             if claims:
                 return self._status_actions(obj, verdict, claims, now)
             if verdict.available and obj.materialized:
-                return [Free(obj.key, obj.uid, obj.object_id, verdict.pod.endpoint, obj.bytes, "OutOfScope")]  # type: ignore[union-attr]
+                pod = verdict.pod
+                return [Free(obj.key, obj.uid, obj.object_id, pod.endpoint, obj.bytes, "OutOfScope", pod.uid)]  # type: ignore[union-attr,arg-type]
             if verdict.reason == "AgentEndpointUnknown" and obj.materialized:
                 return self._status_actions(obj, verdict, claims, now)  # wait for the pod's address
             return [
@@ -401,7 +405,7 @@ class Ledger:
                 actions.append(DeleteObject(obj.key, obj.uid, "Lost", f"{verdict.message}; no claim remains"))
             return actions
         if obj.declared and not obj.materialized and verdict.available and obj.state != names.STATE_FAILED:
-            return [Materialize(obj.key, obj.uid, verdict.pod.endpoint, obj.object_id)]  # type: ignore[union-attr]
+            return [Materialize(obj.key, obj.uid, verdict.pod.endpoint, obj.object_id, verdict.pod.uid)]  # type: ignore[union-attr]
         return self._status_actions(obj, verdict, claims, now)
 
     @staticmethod
@@ -563,7 +567,7 @@ class Ledger:
                 return []  # wait for the items' frees
             producer = self.pods.get((stream.namespace, stream.producer_pod))
             endpoint = producer.endpoint if producer and not producer.terminated else None
-            return [FinishStream(stream.key, stream.uid, endpoint)]
+            return [FinishStream(stream.key, stream.uid, endpoint, producer.uid if endpoint and producer else "")]
         emitted = max((i.stream[1] + 1 for i in items if i.stream), default=0)
         desired = {
             "observedGeneration": 1,

@@ -129,11 +129,13 @@ def _meta(obj: dict) -> dict:
     return obj.get("metadata", {})
 
 
-def parse_pod(obj: dict) -> PodInfo:
+def parse_pod(obj: dict, *, allow_host_annotation: bool = False) -> PodInfo:
+    """The pod's agent is at its own status.podIP: the operator's token goes nowhere else. Only a
+    dev cluster without a pod network (allow_host_annotation) may name another host by annotation."""
     meta = _meta(obj)
     ann = meta.get("annotations") or {}
     status = obj.get("status") or {}
-    host = ann.get(names.ANNOTATION_AGENT_HOST) or status.get("podIP")
+    host = (ann.get(names.ANNOTATION_AGENT_HOST) if allow_host_annotation else None) or status.get("podIP")
     port = ann.get(names.ANNOTATION_AGENT_PORT)
     if not port:
         for container in (obj.get("spec") or {}).get("containers", []):
