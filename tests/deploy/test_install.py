@@ -415,7 +415,7 @@ def test_workload_service_account_has_exactly_what_the_client_library_uses(
     assert workload_rules == {
         ("gpuobjects.gpuobj.io", (), frozenset({"create", "get", "list", "watch", "delete"})),
         ("gpuobjectclaims.gpuobj.io", (), frozenset({"create", "get", "delete"})),
-        ("gpuobjectstreams.gpuobj.io", (), frozenset({"create", "get", "patch", "delete"})),
+        ("gpuobjectstreams.gpuobj.io", (), frozenset({"create", "get", "list", "watch", "patch", "delete"})),
         ("gpuobjectstreams.gpuobj.io/status", (), frozenset({"patch"})),
         ("pods", (), frozenset({"get"})),
     }
@@ -424,6 +424,17 @@ def test_workload_service_account_has_exactly_what_the_client_library_uses(
     assert _granted(gpuobj_cluster, r["workload"], r["ns"], r["nobody"]) == set()
     for request in (("list", "pods"), ("delete", "pods"), ("patch", "gpuobjects.gpuobj.io"),
                     ("patch", "gpuobjects.gpuobj.io", "--subresource=status"), ("get", "secrets")):  # fmt: skip
+        assert not _can(gpuobj_cluster, r["workload"], *request, "-n", r["workload_ns"]), request
+    # Every documented action, one by one (a StreamReader lists and watches streams).
+    for request in (("create", "gpuobjects.gpuobj.io"), ("delete", "gpuobjects.gpuobj.io"),
+                    ("watch", "gpuobjects.gpuobj.io"), ("create", "gpuobjectclaims.gpuobj.io"),
+                    ("delete", "gpuobjectclaims.gpuobj.io"), ("list", "gpuobjectstreams.gpuobj.io"),
+                    ("watch", "gpuobjectstreams.gpuobj.io"), ("patch", "gpuobjectstreams.gpuobj.io"),
+                    ("patch", "gpuobjectstreams.gpuobj.io", "--subresource=status"), ("get", "pods")):  # fmt: skip
+        assert _can(gpuobj_cluster, r["workload"], *request, "-n", r["workload_ns"]), request
+    # Nothing on claims beyond create/get/delete: a workload cannot rewrite another pod's claim.
+    for request in (("patch", "gpuobjectclaims.gpuobj.io"), ("update", "gpuobjectclaims.gpuobj.io"),
+                    ("create", "serviceaccounts/token"), ("get", "serviceaccounts")):  # fmt: skip
         assert not _can(gpuobj_cluster, r["workload"], *request, "-n", r["workload_ns"]), request
 
 

@@ -109,7 +109,8 @@ Nothing on Secrets, CRDs or namespaces (kopf runs standalone with scanning disab
   verbs: [create, get, delete]
 - apiGroups: [gpuobj.io]
   resources: [gpuobjectstreams]
-  verbs: [create, get, patch, delete]
+  # list and watch: StreamReader follows a stream (gpuobj/client/streams.py)
+  verbs: [create, get, list, watch, patch, delete]
 - apiGroups: [gpuobj.io]
   resources: [gpuobjectstreams/status]
   verbs: [patch]
