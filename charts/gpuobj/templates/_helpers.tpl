@@ -55,14 +55,6 @@ app.kubernetes.io/component: operator
 {{- default (include "gpuobj.operator.name" .) .Values.operator.leaseName -}}
 {{- end -}}
 
-{{- define "gpuobj.tokenSecretName" -}}
-{{- if .Values.agentToken.existingSecret -}}
-{{- .Values.agentToken.existingSecret -}}
-{{- else -}}
-{{- default (printf "%s-agent-token" (include "gpuobj.fullname" .)) .Values.agentToken.secretName -}}
-{{- end -}}
-{{- end -}}
-
 {{- define "gpuobj.workloadRoleName" -}}
 {{- printf "%s-workload" (include "gpuobj.fullname" .) -}}
 {{- end -}}
