@@ -190,9 +190,10 @@ class AgentProcess:
         auth: bool | str = True,
         timeout: float = 60.0,
         raw: bytes | None = None,
+        headers: dict[str, str] | None = None,
     ) -> tuple[int, Any]:
         """One HTTP request; returns (status, parsed JSON or text). `auth` may be a token string."""
-        headers = {}
+        headers = dict(headers or {})
         if auth is True:  # the operator on control routes; this pod's own token on read routes
             reading = (method == "POST" and path.endswith("/reads")) or (method == "DELETE" and "/v1/reads/" in path)
             auth = self.reader_token if reading else self.token
