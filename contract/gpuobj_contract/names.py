@@ -29,6 +29,7 @@ LABEL_OBJECT = f"{GROUP}/object"  # on a claim: the GPUObject it references
 LABEL_AGENT = f"{GROUP}/agent"  # on a pod: "true" when it runs a gpuobj agent
 ANNOTATION_AGENT_PORT = f"{GROUP}/agent-port"
 ANNOTATION_AGENT_HOST = f"{GROUP}/agent-host"  # overrides status.podIP (dev cluster: no kubelet, no pod network)
+ANNOTATION_SHARED_BY = f"{GROUP}/shared-by"  # on a claim made for a receiver: the sharing (source) pod
 ANNOTATION_SOURCE_ENDPOINT = f"{GROUP}/source-endpoint"  # the source agent, as the client library saw it
 
 # Agent defaults.

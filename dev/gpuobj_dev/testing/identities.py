@@ -159,7 +159,7 @@ def render_rbac(cluster: ClusterHandle, namespace: str, *, workload_sas: tuple[s
     ]
     for i, sa in enumerate(workload_sas):
         args += ["--set", f"workloads.bindings[0].serviceAccounts[{i}]={sa}"]
-    for template in ("serviceaccount.yaml", "rbac-operator.yaml", "rbac-workload.yaml"):
+    for template in ("serviceaccount.yaml", "rbac-operator.yaml", "rbac-workload.yaml", "admission-policy.yaml"):
         args += ["--show-only", f"templates/{template}"]
     return cluster.helm(*args).stdout
 
