@@ -305,8 +305,19 @@ class Ledger:
                 continue
             if claim.object_uid and claim.object_uid != obj.uid:
                 continue
+            if claim.shared_by is not None and claim.shared_by != obj.source_pod:
+                continue  # only the source may claim on a receiver's behalf (admission checks the sharer)
             result.append(claim)
         return result
+
+    def siblings(self, obj: ObjectInfo) -> list[ObjectInfo]:
+        """Other GPUObjects naming the same bytes (source pod and object id). The client library never
+        makes two; a copy made to have the original freed on its delete must never free them."""
+        return [
+            o
+            for k in self._objects_by_pod.get((obj.namespace, obj.source_pod), ())
+            if (o := self.objects[k]).uid != obj.uid and o.object_id == obj.object_id
+        ]
 
     def references(self, obj: ObjectInfo) -> int:
         return len(self.live_claims(obj)) + (0 if obj.deleting else 1)
@@ -373,6 +384,12 @@ class Ledger:
                 return []  # not ours to hold; the API server removes it
             if claims:
                 return self._status_actions(obj, verdict, claims, now)
+            if self.siblings(obj):
+                message = f"another GPUObject names object {obj.object_id} of pod {obj.source_pod}; not freed"
+                return [
+                    Emit("GPUObject", obj.key, obj.uid, "Warning", "DuplicateObjectId", message),
+                    ReleaseWithoutFree(obj.key, obj.uid, "DuplicateObjectId"),
+                ]
             if verdict.available and obj.materialized:
                 pod = verdict.pod
                 return [Free(obj.key, obj.uid, obj.object_id, pod.endpoint, obj.bytes, "OutOfScope", pod.uid)]  # type: ignore[union-attr,arg-type]

@@ -93,6 +93,7 @@ class ClaimInfo:
     object_uid: str | None = None  # pinned incarnation (client library sets it)
     holder_pod: str | None = None  # spec.holder.podName
     owner_pods: dict[str, str] = field(default_factory=dict)  # ownerReferences to Pods: name -> uid
+    shared_by: str | None = None  # annotation gpuobj.io/shared-by: the pod that claimed for the holder
     deleting: bool = False
     resource_version: str = ""
     status: dict = field(default_factory=dict)
@@ -192,6 +193,7 @@ def parse_claim(obj: dict) -> ClaimInfo:
         object_uid=spec.get("objectUID"),
         holder_pod=(spec.get("holder") or {}).get("podName"),
         owner_pods=owners,
+        shared_by=(meta.get("annotations") or {}).get(names.ANNOTATION_SHARED_BY),
         deleting=bool(meta.get("deletionTimestamp")),
         resource_version=meta.get("resourceVersion", ""),
         status=dict(obj.get("status") or {}),
