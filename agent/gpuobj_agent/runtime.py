@@ -21,7 +21,7 @@ import torch
 from aiohttp import web
 
 from gpuobj_agent.agent import Agent
-from gpuobj_agent.auth import TokenFile
+from gpuobj_agent.auth import ServiceAccountAuth
 from gpuobj_agent.config import AgentConfig
 from gpuobj_agent.layouts import TensorLayout
 from gpuobj_agent.store import StoredObject, _iso
@@ -52,7 +52,7 @@ class AgentRuntime:
         self,
         config: AgentConfig | None = None,
         *,
-        tokens: TokenFile | None = None,
+        tokens: ServiceAccountAuth | None = None,
         extra_routes: Callable[[web.Application], None] | None = None,
         **overrides: Any,
     ) -> None:

@@ -386,6 +386,8 @@ class Client:
                 "name": f"{address.name[:200]}-{holder_pod[:40]}-{_short_id()[:6]}",
                 "labels": {names.LABEL_OBJECT: address.name[:63]},
                 "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": holder_pod, "uid": holder_uid}],
+                # On a receiver's behalf: say who shares, so admission can check it is us (docs/security.md).
+                **({"annotations": {names.ANNOTATION_SHARED_BY: self.pod_name}} if holder_pod != self.pod_name else {}),
             },
             "spec": {"objectName": address.name, "objectUID": address.uid, "holder": {"podName": holder_pod}},
         }

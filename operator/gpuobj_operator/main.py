@@ -46,7 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--namespace", default=env("GPUOBJ_WATCH_NAMESPACE") or None, help="watch one namespace (default: all)"
     )
-    p.add_argument("--token-file", default=env(names.TOKEN_ENV), help="bearer token file for agents' control servers")
+    p.add_argument(
+        "--token-file",
+        default=env(names.TOKEN_ENV),
+        help=f"the operator's projected ServiceAccount token (audience {names.AGENT_AUDIENCE}), presented to agents",
+    )
+    p.add_argument(
+        "--allow-agent-host-annotation",
+        action="store_true",
+        default=env("GPUOBJ_ALLOW_AGENT_HOST_ANNOTATION", "") == "true",
+        help=f"call agents at the host a pod's {names.ANNOTATION_AGENT_HOST} annotation names instead of its "
+        "status.podIP (dev clusters without a pod network only: a workload could point it anywhere)",
+    )
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument(
         "--metrics-port",
@@ -205,6 +216,7 @@ async def run(args: argparse.Namespace) -> int:
         resync_interval=args.resync_interval,
         status_delay=args.status_delay,
         namespace=args.namespace,
+        allow_agent_host_annotation=args.allow_agent_host_annotation,
     )
     reconciler_box.append(reconciler)
     events.start()

@@ -72,7 +72,9 @@ class Reconciler:
         resync_interval: float = 60.0,
         namespace: str | None = None,
         status_delay: float = 0.25,
+        allow_agent_host_annotation: bool = False,
     ) -> None:
+        self.allow_agent_host_annotation = allow_agent_host_annotation
         self.kube = kube
         self.agents = agents
         self.metrics = metrics
@@ -108,7 +110,7 @@ class Reconciler:
         for c in claims["items"]:
             self.ledger.upsert_claim(parse_claim(c), now)
         for p in pods["items"]:
-            self.ledger.upsert_pod(parse_pod(p))
+            self.ledger.upsert_pod(self._parse_pod(p))
         for o in objects["items"]:
             self.ledger.upsert_object(parse_object(o), now)
         self.ledger.synced = True
@@ -170,8 +172,11 @@ class Reconciler:
         info = parse_stream(raw)
         self.enqueue(self.ledger.remove_stream(info) if event_type == "DELETED" else self.ledger.upsert_stream(info))
 
+    def _parse_pod(self, raw: dict) -> PodInfo:
+        return parse_pod(raw, allow_host_annotation=self.allow_agent_host_annotation)
+
     def on_pod(self, event_type: str | None, raw: dict) -> None:
-        info = parse_pod(raw)
+        info = self._parse_pod(raw)
         self.enqueue(self.ledger.remove_pod(info) if event_type == "DELETED" else self.ledger.upsert_pod(info))
 
     # ------------------------------------------------------------ workers
@@ -207,7 +212,7 @@ class Reconciler:
     async def _do_LookupPod(self, a: LookupPod) -> None:
         key = (a.namespace, a.name)
         try:
-            pod = parse_pod(await self.kube.get(PODS, a.name, a.namespace))
+            pod = self._parse_pod(await self.kube.get(PODS, a.name, a.namespace))
             self.enqueue(self.ledger.upsert_pod(pod))
         except NotFound:
             self.enqueue(self.ledger.remove_pod(PodInfo(a.namespace, a.name, uid="", deleted=True)))
@@ -244,7 +249,7 @@ class Reconciler:
             spec["stream"], spec["streamIndex"] = obj.stream
         pod = self.ledger.pods[(obj.namespace, obj.source_pod)]
         try:
-            answer = await self.agents.materialize(a.endpoint, a.object_id, spec)
+            answer = await self.agents.materialize(a.endpoint, a.object_id, spec, pod_uid=a.pod_uid)
         except AgentError as exc:
             if exc.status == 404:
                 pending = statuses.pending_status(
@@ -289,7 +294,7 @@ class Reconciler:
         log.info("freeing %s/%s (object %s, %d bytes) on %s", *a.key, a.object_id, a.bytes, a.endpoint)
         started = time.monotonic()
         try:
-            result = await self.agents.free(a.endpoint, a.object_id, reason=a.reason)
+            result = await self.agents.free(a.endpoint, a.object_id, reason=a.reason, pod_uid=a.pod_uid)
             outcome = "freed" if result.freed else "noop"
         except AgentGone:
             outcome, result = "agent-gone", None
@@ -461,11 +466,13 @@ class Reconciler:
         freed = 0
         if a.producer_endpoint:
             try:
-                inventory = await self.agents.inventory(a.producer_endpoint)
+                inventory = await self.agents.inventory(a.producer_endpoint, pod_uid=a.producer_uid)
                 described = {o.object_id for o in self.ledger.objects.values()}
                 for item in audit_mod.parse_inventory(inventory):
                     if item.stream == a.key[1] and item.object_id not in described:
-                        result = await self.agents.free(a.producer_endpoint, item.object_id, reason="StreamDeleted")
+                        result = await self.agents.free(
+                            a.producer_endpoint, item.object_id, reason="StreamDeleted", pod_uid=a.producer_uid
+                        )
                         freed += result.bytes
             except AgentGone:
                 pass
@@ -526,8 +533,8 @@ class Reconciler:
 
     async def _audit_pod(self, pod: PodInfo) -> int:
         expected = audit_mod.expected_objects(self.ledger, pod)
-        inventory = await self.agents.inventory(pod.endpoint)  # type: ignore[arg-type]
-        if inventory.get("podUID") and inventory["podUID"] != pod.uid:
+        inventory = await self.agents.inventory(pod.endpoint, pod_uid=pod.uid)  # type: ignore[arg-type]
+        if inventory.get("podUID") != pod.uid:  # the agent checked too; an agent without a pod uid is refused
             raise AgentError(409, f"agent at {pod.endpoint} serves pod uid {inventory['podUID']}, not {pod.uid}")
         now = time.monotonic()
         pending = {
@@ -569,7 +576,7 @@ class Reconciler:
         for item in items:
             if item.object_id in described:
                 continue
-            result = await self.agents.free(pod.endpoint, item.object_id, reason="Reclaimed")  # type: ignore[arg-type]
+            result = await self.agents.free(pod.endpoint, item.object_id, reason="Reclaimed", pod_uid=pod.uid)  # type: ignore[arg-type]
             if result.freed:
                 total += result.bytes
                 self.metrics.reclaimed_bytes.labels(pod.namespace).inc(result.bytes)
