@@ -162,8 +162,17 @@ class Client:
     def borrow(self, ref: ObjectRef | ObjectAddress) -> ObjectRef:
         return self._call(self.aborrow_inner(ref))
 
-    def share(self, ref: ObjectRef | ObjectAddress, pod_name: str, pod_uid: str | None = None) -> SharedRef:
-        return self._call(self.ashare_inner(ref, pod_name, pod_uid))
+    def share(
+        self,
+        ref: ObjectRef | ObjectAddress,
+        pod_name: str,
+        pod_uid: str | None = None,
+        *,
+        incarnation: str | None = None,
+    ) -> SharedRef:
+        """Claim on ``pod_name``'s behalf. With the receiver's ``incarnation`` (its ``client.incarnation``) the
+        claim dies with the receiver's process; without it, with the receiver's pod."""
+        return self._call(self.ashare_inner(ref, pod_name, pod_uid, incarnation))
 
     def adopt(self, shared: SharedRef) -> ObjectRef:
         return self._adopt(shared)
@@ -190,8 +199,15 @@ class Client:
     async def aborrow(self, ref: ObjectRef | ObjectAddress) -> ObjectRef:
         return await self._loop.acall(self.aborrow_inner(ref), self.timeout)
 
-    async def ashare(self, ref: ObjectRef | ObjectAddress, pod_name: str, pod_uid: str | None = None) -> SharedRef:
-        return await self._loop.acall(self.ashare_inner(ref, pod_name, pod_uid), self.timeout)
+    async def ashare(
+        self,
+        ref: ObjectRef | ObjectAddress,
+        pod_name: str,
+        pod_uid: str | None = None,
+        *,
+        incarnation: str | None = None,
+    ) -> SharedRef:
+        return await self._loop.acall(self.ashare_inner(ref, pod_name, pod_uid, incarnation), self.timeout)
 
     async def arelease(self, ref: ObjectRef) -> None:
         await self._loop.acall(self.arelease_inner(ref), self.timeout)
@@ -214,7 +230,7 @@ class Client:
             "annotations": {names.ANNOTATION_SOURCE_ENDPOINT: self.agent.endpoint},
         }
         spec: dict = {
-            "source": {"podName": self.pod_name, "podUID": self.pod_uid},
+            "source": {"podName": self.pod_name, "podUID": self.pod_uid, **self._incarnation_field()},
             "objectId": object_id,
             "tensors": [t.to_spec() for t in layouts],
         }
@@ -293,20 +309,36 @@ class Client:
     def _token(self) -> str | None:
         return self.token_file.read_text().strip() if self.token_file else None
 
-    async def _create_claim(self, address: ObjectAddress, holder_pod: str, holder_uid: str) -> dict:
+    @property
+    def incarnation(self) -> str | None:
+        """This process's agent incarnation: a sender passes it to ``share`` so the claim dies with us."""
+        return getattr(self.agent, "incarnation", None)
+
+    def _incarnation_field(self, incarnation: str | None = None) -> dict:
+        value = incarnation or self.incarnation
+        return {"incarnation": value} if value else {}
+
+    async def _create_claim(
+        self, address: ObjectAddress, holder_pod: str, holder_uid: str, incarnation: str | None = None
+    ) -> dict:
         body = {
             "metadata": {
                 "name": f"{address.name[:200]}-{holder_pod[:40]}-{_short_id()[:6]}",
                 "labels": {names.LABEL_OBJECT: address.name[:63]},
                 "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": holder_pod, "uid": holder_uid}],
             },
-            "spec": {"objectName": address.name, "objectUID": address.uid, "holder": {"podName": holder_pod}},
+            "spec": {
+                "objectName": address.name,
+                "objectUID": address.uid,
+                # Scoped to a process: ours, or the receiver's when the sender knows it.
+                "holder": {"podName": holder_pod, **({"incarnation": incarnation} if incarnation else {})},
+            },
         }
         return await self._kube.create(CLAIMS, body, address.namespace)
 
     async def aborrow_inner(self, ref: ObjectRef | ObjectAddress) -> ObjectRef:
         address = ref.address if isinstance(ref, ObjectRef) else ref
-        created = await self._create_claim(address, self.pod_name, self.pod_uid)
+        created = await self._create_claim(address, self.pod_name, self.pod_uid, self.incarnation)
         return self._track(
             ObjectRef(
                 address,
@@ -317,11 +349,13 @@ class Client:
             )
         )
 
-    async def ashare_inner(self, ref: ObjectRef | ObjectAddress, pod_name: str, pod_uid: str | None) -> SharedRef:
+    async def ashare_inner(
+        self, ref: ObjectRef | ObjectAddress, pod_name: str, pod_uid: str | None, incarnation: str | None = None
+    ) -> SharedRef:
         address = ref.address if isinstance(ref, ObjectRef) else ref
         if pod_uid is None:
             pod_uid = await self._pod_uid(address.namespace, pod_name)
-        created = await self._create_claim(address, pod_name, pod_uid)
+        created = await self._create_claim(address, pod_name, pod_uid, incarnation)
         return SharedRef(address, created["metadata"]["name"], created["metadata"]["uid"], pod_name)
 
     async def _pod_uid(self, namespace: str, pod_name: str) -> str:

@@ -111,8 +111,8 @@ class AgentClient:
     async def inventory(self, endpoint: str) -> dict:
         return await self._call("GET", endpoint, "/v1/objects")
 
-    async def info(self, endpoint: str) -> dict:
-        return await self._call("GET", endpoint, "/v1/info")
+    async def info(self, endpoint: str, timeout: float | None = None) -> dict:
+        return await self._call("GET", endpoint, "/v1/info", timeout=timeout)
 
     async def materialize(self, endpoint: str, object_id: str, spec: dict) -> dict:
         return await self._call("PUT", endpoint, f"/v1/objects/{object_id}", body=spec)

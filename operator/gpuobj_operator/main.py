@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.25,
         help="seconds a routine status write waits (short-lived objects then need none); 0 writes at once",
     )
+    p.add_argument(
+        "--liveness-interval",
+        type=float,
+        default=1.0,
+        help="seconds between probes of each agent (GET /v1/info; backs off while one fails); 0 disables",
+    )
     p.add_argument("--log-level", default=env("GPUOBJ_LOG_LEVEL", "INFO"))
     return p
 
@@ -198,6 +204,7 @@ async def run(args: argparse.Namespace) -> int:
         audit_interval=args.audit_interval,
         resync_interval=args.resync_interval,
         status_delay=args.status_delay,
+        liveness_interval=args.liveness_interval,
         namespace=args.namespace,
     )
     reconciler_box.append(reconciler)

@@ -40,6 +40,7 @@ class ObjectInfo:
     source_pod: str
     tensors: list[dict]
     source_pod_uid: str | None = None
+    spec_incarnation: str | None = None  # spec.source.incarnation: the agent process that put it
     spec_object_id: str | None = None
     key_name: str | None = None
     stream: tuple[str, int] | None = None
@@ -83,6 +84,15 @@ class ObjectInfo:
     def state(self) -> str | None:
         return self.status.get("state")
 
+    @property
+    def source_incarnation(self) -> str | None:
+        """The agent process holding the bytes: from the put (spec), or the materialize answer (status)."""
+        if self.spec_incarnation:
+            return self.spec_incarnation
+        if self.declared and self.materialized:
+            return (self.status.get("transport") or {}).get("agentIncarnation") or None
+        return None
+
 
 @dataclass
 class ClaimInfo:
@@ -92,6 +102,7 @@ class ClaimInfo:
     object_name: str
     object_uid: str | None = None  # pinned incarnation (client library sets it)
     holder_pod: str | None = None  # spec.holder.podName
+    holder_incarnation: str | None = None  # spec.holder.incarnation: the claim dies with that process
     owner_pods: dict[str, str] = field(default_factory=dict)  # ownerReferences to Pods: name -> uid
     deleting: bool = False
     resource_version: str = ""
@@ -162,6 +173,7 @@ def parse_object(obj: dict) -> ObjectInfo:
         uid=meta["uid"],
         source_pod=source.get("podName", ""),
         source_pod_uid=source.get("podUID"),
+        spec_incarnation=source.get("incarnation") or None,
         tensors=list(spec.get("tensors") or []),
         spec_object_id=spec.get("objectId"),
         key_name=spec.get("key"),
@@ -189,6 +201,7 @@ def parse_claim(obj: dict) -> ClaimInfo:
         object_name=spec.get("objectName", ""),
         object_uid=spec.get("objectUID"),
         holder_pod=(spec.get("holder") or {}).get("podName"),
+        holder_incarnation=(spec.get("holder") or {}).get("incarnation") or None,
         owner_pods=owners,
         deleting=bool(meta.get("deletionTimestamp")),
         resource_version=meta.get("resourceVersion", ""),
