@@ -631,8 +631,7 @@ class Reconciler:
                     _cond(names.CONDITION_SOURCE_AVAILABLE, "False", "AgentLostObject", message, obj.generation),
                 ],
             }
-            await self._patch_object_status(obj.key, status)
-            self.metrics.lost.inc()
+            await self._patch_object_status(obj.key, status)  # counts it, once
             self._emit("GPUObject", obj.key, obj.uid, "Warning", "Lost", message)
         return max(0, findings.leaked_bytes - reclaimed)
 
