@@ -37,6 +37,9 @@ log = logging.getLogger("gpuobj.client")
 
 DEFAULT_TIMEOUT = 60.0
 POD_UID_TTL = 30.0
+# A fetch that failed because the source's process is gone waits this long for the operator to say Lost
+# (it probes agents every second or so), so the reader gets ObjectLostError, as for a deleted pod.
+LOST_WAIT = 5.0
 
 
 def _short_id() -> str:
@@ -65,6 +68,13 @@ def layout_of(tensor: Any) -> TensorLayout:
     return TensorLayout(
         tuple(int(d) for d in tensor.shape), str(tensor.dtype).removeprefix("torch."), str(tensor.device)
     )
+
+
+def _source_may_be_gone(exc: BaseException) -> bool:
+    """The source agent refused us or no longer knows the object: its process may have died (or freed it)."""
+    from gpuobj_agent.errors import ObjectGone, SourceUnavailable
+
+    return isinstance(exc, SourceUnavailable | ObjectGone)
 
 
 class Client:
@@ -98,6 +108,7 @@ class Client:
         self._release_event = asyncio.Event()
         self._release_lock = asyncio.Lock()
         self._live: weakref.WeakSet[ObjectRef] = weakref.WeakSet()
+        self._read_once: weakref.WeakSet[ObjectRef] = weakref.WeakSet()
         self._pod_uids: dict[tuple[str, str], tuple[str, float]] = {}
         self._release_task = self._loop.submit(self._release_worker())
         self._closed = False
@@ -159,8 +170,9 @@ class Client:
     def fetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
         return self._call(self.afetch_inner(ref, device=device))
 
-    def borrow(self, ref: ObjectRef | ObjectAddress) -> ObjectRef:
-        return self._call(self.aborrow_inner(ref))
+    def borrow(self, ref: ObjectRef | ObjectAddress, *, ttl: int | None = None) -> ObjectRef:
+        """Claim for this process. ``ttl``: seconds after which the operator drops the claim regardless."""
+        return self._call(self.aborrow_inner(ref, ttl=ttl))
 
     def share(
         self,
@@ -169,10 +181,14 @@ class Client:
         pod_uid: str | None = None,
         *,
         incarnation: str | None = None,
+        ttl: int | None = None,
+        read_once: bool = False,
     ) -> SharedRef:
         """Claim on ``pod_name``'s behalf. With the receiver's ``incarnation`` (its ``client.incarnation``) the
-        claim dies with the receiver's process; without it, with the receiver's pod."""
-        return self._call(self.ashare_inner(ref, pod_name, pod_uid, incarnation))
+        claim dies with the receiver's process; without it, with the receiver's pod. ``ttl``: the operator
+        drops the claim that many seconds after it was made, even if the receiver hangs. ``read_once``:
+        the receiver's handle releases itself after its first completed fetch (a KV-style hand-off)."""
+        return self._call(self.ashare_inner(ref, pod_name, pod_uid, incarnation, ttl=ttl, read_once=read_once))
 
     def adopt(self, shared: SharedRef) -> ObjectRef:
         return self._adopt(shared)
@@ -196,8 +212,8 @@ class Client:
     async def afetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
         return await self._loop.acall(self.afetch_inner(ref, device=device), self.timeout)
 
-    async def aborrow(self, ref: ObjectRef | ObjectAddress) -> ObjectRef:
-        return await self._loop.acall(self.aborrow_inner(ref), self.timeout)
+    async def aborrow(self, ref: ObjectRef | ObjectAddress, *, ttl: int | None = None) -> ObjectRef:
+        return await self._loop.acall(self.aborrow_inner(ref, ttl=ttl), self.timeout)
 
     async def ashare(
         self,
@@ -206,8 +222,12 @@ class Client:
         pod_uid: str | None = None,
         *,
         incarnation: str | None = None,
+        ttl: int | None = None,
+        read_once: bool = False,
     ) -> SharedRef:
-        return await self._loop.acall(self.ashare_inner(ref, pod_name, pod_uid, incarnation), self.timeout)
+        return await self._loop.acall(
+            self.ashare_inner(ref, pod_name, pod_uid, incarnation, ttl=ttl, read_once=read_once), self.timeout
+        )
 
     async def arelease(self, ref: ObjectRef) -> None:
         await self._loop.acall(self.arelease_inner(ref), self.timeout)
@@ -280,17 +300,25 @@ class Client:
         address = ref.address if isinstance(ref, ObjectRef) else ref
         try:
             # The runtime's async API runs on the agent's own loop: no thread is blocked waiting.
-            return await self.agent.afetch(
+            tensors = await self.agent.afetch(
                 address.source_endpoint, address.object_id, device=device, token=self._token()
             )
+            if isinstance(ref, ObjectRef) and ref in self._read_once:
+                await self.arelease_inner(ref)  # a read-once hand-off: its one read is done
+            return tensors
         except Exception as exc:
             # Say why: a Lost object (source gone) reads differently from a freed one.
-            try:
-                obj = await self._kube.get(GPUOBJECTS, address.name, address.namespace)
-            except NotFound:
-                raise ObjectNotFoundError(
-                    f"GPUObject {address.namespace}/{address.name} no longer exists (freed): {exc}"
-                ) from exc
+            deadline = time.monotonic() + (LOST_WAIT if _source_may_be_gone(exc) else 0.0)
+            while True:
+                try:
+                    obj = await self._kube.get(GPUOBJECTS, address.name, address.namespace)
+                except NotFound:
+                    raise ObjectNotFoundError(
+                        f"GPUObject {address.namespace}/{address.name} no longer exists (freed): {exc}"
+                    ) from exc
+                if (obj.get("status") or {}).get("state") == names.STATE_LOST or time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(0.25)
             status = obj.get("status") or {}
             if status.get("state") == names.STATE_LOST:
                 reason = next(
@@ -319,8 +347,15 @@ class Client:
         return {"incarnation": value} if value else {}
 
     async def _create_claim(
-        self, address: ObjectAddress, holder_pod: str, holder_uid: str, incarnation: str | None = None
+        self,
+        address: ObjectAddress,
+        holder_pod: str,
+        holder_uid: str,
+        incarnation: str | None = None,
+        ttl: int | None = None,
     ) -> dict:
+        if ttl is not None and (not isinstance(ttl, int) or ttl < 1):
+            raise ValueError(f"ttl must be a whole number of seconds >= 1, not {ttl!r}")
         body = {
             "metadata": {
                 "name": f"{address.name[:200]}-{holder_pod[:40]}-{_short_id()[:6]}",
@@ -332,13 +367,14 @@ class Client:
                 "objectUID": address.uid,
                 # Scoped to a process: ours, or the receiver's when the sender knows it.
                 "holder": {"podName": holder_pod, **({"incarnation": incarnation} if incarnation else {})},
+                **({"ttlSeconds": ttl} if ttl else {}),
             },
         }
         return await self._kube.create(CLAIMS, body, address.namespace)
 
-    async def aborrow_inner(self, ref: ObjectRef | ObjectAddress) -> ObjectRef:
+    async def aborrow_inner(self, ref: ObjectRef | ObjectAddress, ttl: int | None = None) -> ObjectRef:
         address = ref.address if isinstance(ref, ObjectRef) else ref
-        created = await self._create_claim(address, self.pod_name, self.pod_uid, self.incarnation)
+        created = await self._create_claim(address, self.pod_name, self.pod_uid, self.incarnation, ttl)
         return self._track(
             ObjectRef(
                 address,
@@ -350,13 +386,20 @@ class Client:
         )
 
     async def ashare_inner(
-        self, ref: ObjectRef | ObjectAddress, pod_name: str, pod_uid: str | None, incarnation: str | None = None
+        self,
+        ref: ObjectRef | ObjectAddress,
+        pod_name: str,
+        pod_uid: str | None,
+        incarnation: str | None = None,
+        *,
+        ttl: int | None = None,
+        read_once: bool = False,
     ) -> SharedRef:
         address = ref.address if isinstance(ref, ObjectRef) else ref
         if pod_uid is None:
             pod_uid = await self._pod_uid(address.namespace, pod_name)
-        created = await self._create_claim(address, pod_name, pod_uid, incarnation)
-        return SharedRef(address, created["metadata"]["name"], created["metadata"]["uid"], pod_name)
+        created = await self._create_claim(address, pod_name, pod_uid, incarnation, ttl)
+        return SharedRef(address, created["metadata"]["name"], created["metadata"]["uid"], pod_name, read_once)
 
     async def _pod_uid(self, namespace: str, pod_name: str) -> str:
         """The receiver's current incarnation, cached briefly: a claim made for an incarnation that has
@@ -372,11 +415,14 @@ class Client:
     def _adopt(self, shared: SharedRef) -> ObjectRef:
         if shared.holder_pod != self.pod_name:
             raise ValueError(f"this reference was shared with pod {shared.holder_pod}, not {self.pod_name}")
-        return self._track(
+        ref = self._track(
             ObjectRef(
                 shared.address, "claim", self._enqueue_release, claim_name=shared.claim_name, claim_uid=shared.claim_uid
             )
         )
+        if shared.read_once:
+            self._read_once.add(ref)
+        return ref
 
     def _track(self, ref: ObjectRef) -> ObjectRef:
         self._live.add(ref)

@@ -113,6 +113,15 @@ class DeleteClaim(Action):
 
 
 @dataclass(frozen=True)
+class Requeue(Action):
+    """Decide this again after ``seconds`` (a claim's TTL runs out then)."""
+
+    kind: str
+    key: Key
+    seconds: float
+
+
+@dataclass(frozen=True)
 class PatchStreamStatus(Action):
     key: Key
     status: dict
@@ -585,6 +594,11 @@ class Ledger:
                 return [DeleteClaim(claim.key, claim.uid, f"holder pod {pod_name} is gone")]
         if claim.holder_incarnation and (why := self.holder_process_gone(claim)):
             return [DeleteClaim(claim.key, claim.uid, why, holder="process")]
+        if claim.ttl_seconds and claim.created:
+            left = (claim.created + dt.timedelta(seconds=claim.ttl_seconds) - now).total_seconds()
+            if left <= 0:
+                return [DeleteClaim(claim.key, claim.uid, f"its TTL of {claim.ttl_seconds}s expired", holder="ttl")]
+            actions.append(Requeue("claim", claim.key, left))
         if claim.holder_pod and claim.holder_pod not in claim.owner_pods:
             pod = self.pods.get((claim.namespace, claim.holder_pod))
             if pod is None:

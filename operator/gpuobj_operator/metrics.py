@@ -53,7 +53,7 @@ class OperatorMetrics:
         )
         self.claims_dropped = Counter(
             m.CLAIMS_DROPPED.removesuffix("_total"),
-            "Claims the operator deleted because their holder (pod, or agent process) is gone",
+            "Claims the operator deleted: holder pod or agent process gone, or TTL expired",
             ["holder"],
             registry=r,
         )
@@ -81,7 +81,7 @@ class OperatorMetrics:
         for result in ("freed", "noop", "agent-gone", "source-lost"):
             self.frees.labels(result)
         self.free_failures.labels("unreachable")
-        for holder in ("pod", "process"):
+        for holder in ("pod", "process", "ttl"):
             self.claims_dropped.labels(holder)
         for result in ("ok", "error"):
             self.audits.labels(result)

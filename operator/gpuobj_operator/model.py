@@ -6,6 +6,7 @@ them directly and the parsing rules (which field means what) live in one place.
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass, field
 
 from gpuobj_contract import names
@@ -103,6 +104,8 @@ class ClaimInfo:
     object_uid: str | None = None  # pinned incarnation (client library sets it)
     holder_pod: str | None = None  # spec.holder.podName
     holder_incarnation: str | None = None  # spec.holder.incarnation: the claim dies with that process
+    ttl_seconds: int | None = None  # spec.ttlSeconds: deleted that long after creation
+    created: dt.datetime | None = None  # metadata.creationTimestamp
     owner_pods: dict[str, str] = field(default_factory=dict)  # ownerReferences to Pods: name -> uid
     deleting: bool = False
     resource_version: str = ""
@@ -138,6 +141,15 @@ class StreamInfo:
 
 def _meta(obj: dict) -> dict:
     return obj.get("metadata", {})
+
+
+def _timestamp(value: str | None) -> dt.datetime | None:
+    if not value:
+        return None
+    try:
+        return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
 
 
 def parse_pod(obj: dict) -> PodInfo:
@@ -202,6 +214,8 @@ def parse_claim(obj: dict) -> ClaimInfo:
         object_uid=spec.get("objectUID"),
         holder_pod=(spec.get("holder") or {}).get("podName"),
         holder_incarnation=(spec.get("holder") or {}).get("incarnation") or None,
+        ttl_seconds=int(spec["ttlSeconds"]) if spec.get("ttlSeconds") else None,
+        created=_timestamp(meta.get("creationTimestamp")),
         owner_pods=owners,
         deleting=bool(meta.get("deletionTimestamp")),
         resource_version=meta.get("resourceVersion", ""),

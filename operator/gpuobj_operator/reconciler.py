@@ -35,6 +35,7 @@ from gpuobj_operator.ledger import (
     PatchObjectStatus,
     PatchStreamStatus,
     ReleaseWithoutFree,
+    Requeue,
     SetClaimOwner,
     condition,
     now_str,
@@ -462,7 +463,11 @@ class Reconciler:
         except (NotFound, Conflict):
             return
         self.metrics.claims_dropped.labels(a.holder).inc()
-        self._emit("GPUObjectClaim", a.key, a.uid, "Normal", "HolderGone", a.reason)
+        reason = "Expired" if a.holder == "ttl" else "HolderGone"
+        self._emit("GPUObjectClaim", a.key, a.uid, "Normal", reason, a.reason)
+
+    async def _do_Requeue(self, a: Requeue) -> None:
+        self.queue.add_after((a.kind, a.key), a.seconds)
 
     async def _do_PatchStreamStatus(self, a: PatchStreamStatus) -> None:
         # A busy stream changes with every item: write its counters at most once per interval.

@@ -5,8 +5,18 @@ The e2e tests in tests/operator/test_incarnations.py drive the same code with re
 
 from __future__ import annotations
 
+import datetime as dt
+
 from gpuobj_contract import names
-from gpuobj_operator.ledger import DeleteClaim, DeleteObject, Emit, Free, PatchObjectStatus, ReleaseWithoutFree
+from gpuobj_operator.ledger import (
+    DeleteClaim,
+    DeleteObject,
+    Emit,
+    Free,
+    PatchObjectStatus,
+    ReleaseWithoutFree,
+    Requeue,
+)
 from gpuobj_operator.liveness import Liveness
 from tests.unit.test_ledger import NOW, NS, claim, kinds, obj, pod, synced_ledger
 
@@ -140,3 +150,17 @@ def test_after_a_probe_the_records_of_other_incarnations_are_re_decided() -> Non
     assert ledger.suspect_records(READER) == {("claim", (NS, "c1"))}
     ledger.liveness.observe_alive(SRC, "pod-uid-1", "s-1", probe_started=1.0)
     assert ledger.suspect_records(SRC) == set()
+
+
+def test_a_claim_with_a_ttl_is_rechecked_when_due_and_dropped_once_it_ran_out() -> None:
+    created = NOW - dt.timedelta(seconds=5)
+    ledger = synced_ledger(pod(), obj(), claim(ttl_seconds=10, created=created))
+    [requeue] = [a for a in ledger.decide_claim((NS, "c1"), NOW) if isinstance(a, Requeue)]
+    assert (requeue.kind, requeue.key, requeue.seconds) == ("claim", (NS, "c1"), 5.0)
+    [drop] = ledger.decide_claim((NS, "c1"), NOW + dt.timedelta(seconds=5))
+    assert isinstance(drop, DeleteClaim) and drop.holder == "ttl" and "TTL of 10s" in drop.reason
+
+
+def test_a_claim_without_a_ttl_never_expires() -> None:
+    ledger = synced_ledger(pod(), obj(), claim(created=NOW - dt.timedelta(days=365)))
+    assert not [a for a in ledger.decide_claim((NS, "c1"), NOW) if isinstance(a, DeleteClaim | Requeue)]
