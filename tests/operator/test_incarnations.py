@@ -97,3 +97,37 @@ def test_source_process_killed_while_its_pod_stays_makes_the_object_lost_and_rea
     operator.wait_metric("gpuobj_frees_total", {"result": "source-lost"}, 1)
     agent_http.assert_holds_nothing(pods.endpoint("reader"), token_file)
     assert_api_empty(gpuobj_cluster, namespace)
+
+
+def test_a_hung_reader_with_a_ttl_claim_loses_it_when_the_ttl_runs_out(
+    gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
+) -> None:
+    src, reader = pods.workload("src"), pods.workload("reader")
+    src.run("ref = client.put([torch.ones(1 << 12)], name='kv')")
+    shared = src.eval_pickle("client.share(ref, 'reader', ttl=2)")
+    reader.run(f"h = client.adopt(load_pickle({shared!r}))")  # adopted, and then never released
+    src.run("ref.release()")
+    wait_object(gpuobj_cluster, namespace, "kv", lambda o: o is None, timeout=30)
+    [event] = _events(gpuobj_cluster, namespace, "Expired")
+    assert "TTL of 2s expired" in event["message"]
+    operator.wait_metric("gpuobj_claims_dropped_total", {"holder": "ttl"}, 1)
+    operator.wait_metric("gpuobj_frees_total", {"result": "freed"}, 1)
+    agent_http.assert_holds_nothing(pods.endpoint("src"), token_file)
+    assert_api_empty(gpuobj_cluster, namespace)
+
+
+def test_a_read_once_hand_off_is_freed_after_its_one_read(
+    gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
+) -> None:
+    src, reader = pods.workload("src"), pods.workload("reader")
+    src.run("ref = client.put([torch.arange(1024, dtype=torch.float32)], name='kv')")
+    incarnation = reader.eval("client.incarnation")
+    shared = src.eval_pickle(f"client.share(ref, 'reader', incarnation={incarnation!r}, read_once=True)")
+    src.run("ref.release()")  # the hand-off: only the reader's claim holds the bytes
+    reader.run(f"h = client.adopt(load_pickle({shared!r})); got = client.fetch(h)[0]")
+    assert reader.eval("float(got.sum())") == float(sum(range(1024)))
+    assert not reader.eval("h.alive")  # released by its read
+    wait_object(gpuobj_cluster, namespace, "kv", lambda o: o is None)
+    operator.wait_metric("gpuobj_frees_total", {"result": "freed"}, 1)
+    agent_http.assert_holds_nothing(pods.endpoint("src"), token_file)
+    assert_api_empty(gpuobj_cluster, namespace)
