@@ -140,6 +140,11 @@ class AgentRuntime:
         return self.agent.endpoint
 
     @property
+    def incarnation(self) -> str:
+        """This agent process's random id: records made for it die with it (docs/agent-api.md)."""
+        return self.agent.incarnation
+
+    @property
     def url(self) -> str:
         return f"http://{self.endpoint}"
 

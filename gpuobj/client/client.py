@@ -40,6 +40,9 @@ log = logging.getLogger("gpuobj.client")
 
 DEFAULT_TIMEOUT = 60.0
 POD_UID_TTL = 30.0
+# A fetch that failed because the source's process is gone waits this long for the operator to say Lost
+# (it probes agents every second or so), so the reader gets ObjectLostError, as for a deleted pod.
+LOST_WAIT = 5.0
 
 
 def _short_id() -> str:
@@ -124,6 +127,13 @@ def _tensor_list(tensors: Any, *, what: str) -> list:
     return items
 
 
+def _source_may_be_gone(exc: BaseException) -> bool:
+    """The source agent refused us or no longer knows the object: its process may have died (or freed it)."""
+    from gpuobj_agent.errors import ObjectGone, SourceUnavailable
+
+    return isinstance(exc, SourceUnavailable | ObjectGone)
+
+
 class Client:
     """One per workload process. Starts (or wraps) the pod's agent and talks to the API server."""
 
@@ -155,6 +165,7 @@ class Client:
         self._release_event = asyncio.Event()
         self._release_lock = asyncio.Lock()
         self._live: weakref.WeakSet[ObjectRef] = weakref.WeakSet()
+        self._read_once: weakref.WeakSet[ObjectRef] = weakref.WeakSet()
         self._pod_uids: dict[tuple[str, str], tuple[str, float]] = {}
         self._release_task = self._loop.submit(self._release_worker())
         self._closed = False
@@ -240,11 +251,28 @@ class Client:
     def fetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
         return self._call(self.afetch_inner(ref, device=device), f"fetch {_describe(ref)}")
 
-    def borrow(self, ref: ObjectRef | ObjectAddress) -> ObjectRef:
-        return self._call(self.aborrow_inner(ref), f"borrow {_describe(ref)}")
+    def borrow(self, ref: ObjectRef | ObjectAddress, *, ttl: int | None = None) -> ObjectRef:
+        """Claim for this process. ``ttl``: seconds after which the operator drops the claim regardless."""
+        return self._call(self.aborrow_inner(ref, ttl=ttl), f"borrow {_describe(ref)}")
 
-    def share(self, ref: ObjectRef | ObjectAddress, pod_name: str, pod_uid: str | None = None) -> SharedRef:
-        return self._call(self.ashare_inner(ref, pod_name, pod_uid), f"share {_describe(ref)} with pod {pod_name}")
+    def share(
+        self,
+        ref: ObjectRef | ObjectAddress,
+        pod_name: str,
+        pod_uid: str | None = None,
+        *,
+        incarnation: str | None = None,
+        ttl: int | None = None,
+        read_once: bool = False,
+    ) -> SharedRef:
+        """Claim on ``pod_name``'s behalf. With the receiver's ``incarnation`` (its ``client.incarnation``) the
+        claim dies with the receiver's process; without it, with the receiver's pod. ``ttl``: the operator
+        drops the claim that many seconds after it was made, even if the receiver hangs. ``read_once``:
+        the receiver's handle releases itself after its first completed fetch (a KV-style hand-off)."""
+        return self._call(
+            self.ashare_inner(ref, pod_name, pod_uid, incarnation, ttl=ttl, read_once=read_once),
+            f"share {_describe(ref)} with pod {pod_name}",
+        )
 
     def adopt(self, shared: SharedRef) -> ObjectRef:
         return self._adopt(shared)
@@ -273,11 +301,23 @@ class Client:
     async def afetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
         return await self._acall(self.afetch_inner(ref, device=device), f"fetch {_describe(ref)}")
 
-    async def aborrow(self, ref: ObjectRef | ObjectAddress) -> ObjectRef:
-        return await self._acall(self.aborrow_inner(ref), f"borrow {_describe(ref)}")
+    async def aborrow(self, ref: ObjectRef | ObjectAddress, *, ttl: int | None = None) -> ObjectRef:
+        return await self._acall(self.aborrow_inner(ref, ttl=ttl), f"borrow {_describe(ref)}")
 
-    async def ashare(self, ref: ObjectRef | ObjectAddress, pod_name: str, pod_uid: str | None = None) -> SharedRef:
-        return await self._acall(self.ashare_inner(ref, pod_name, pod_uid), f"share {_describe(ref)} with {pod_name}")
+    async def ashare(
+        self,
+        ref: ObjectRef | ObjectAddress,
+        pod_name: str,
+        pod_uid: str | None = None,
+        *,
+        incarnation: str | None = None,
+        ttl: int | None = None,
+        read_once: bool = False,
+    ) -> SharedRef:
+        return await self._acall(
+            self.ashare_inner(ref, pod_name, pod_uid, incarnation, ttl=ttl, read_once=read_once),
+            f"share {_describe(ref)} with {pod_name}",
+        )
 
     async def arelease(self, ref: ObjectRef) -> None:
         await self._acall(self.arelease_inner(ref), f"release {_describe(ref)}")
@@ -300,7 +340,7 @@ class Client:
             "annotations": {names.ANNOTATION_SOURCE_ENDPOINT: self.agent.endpoint},
         }
         spec: dict = {
-            "source": {"podName": self.pod_name, "podUID": self.pod_uid},
+            "source": {"podName": self.pod_name, "podUID": self.pod_uid, **self._incarnation_field()},
             "objectId": object_id,
             "tensors": [t.to_json() for t in layouts],
         }
@@ -351,17 +391,25 @@ class Client:
         address = _live_address(ref, "fetch")
         try:
             # The runtime's async API runs on the agent's own loop: no thread is blocked waiting.
-            return await self.agent.afetch(
+            tensors = await self.agent.afetch(
                 address.source_endpoint, address.object_id, device=device, token=self._token()
             )
+            if isinstance(ref, ObjectRef) and ref in self._read_once:
+                await self.arelease_inner(ref)  # a read-once hand-off: its one read is done
+            return tensors
         except Exception as exc:
             # Say why: a Lost object (source gone) reads differently from a freed one.
-            try:
-                obj = await self._kube.get(GPUOBJECTS, address.name, address.namespace)
-            except NotFound:
-                raise ObjectNotFoundError(
-                    f"GPUObject {address.namespace}/{address.name} no longer exists (freed): {exc}"
-                ) from exc
+            deadline = time.monotonic() + (LOST_WAIT if _source_may_be_gone(exc) else 0.0)
+            while True:
+                try:
+                    obj = await self._kube.get(GPUOBJECTS, address.name, address.namespace)
+                except NotFound:
+                    raise ObjectNotFoundError(
+                        f"GPUObject {address.namespace}/{address.name} no longer exists (freed): {exc}"
+                    ) from exc
+                if (obj.get("status") or {}).get("state") == names.STATE_LOST or time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(0.25)
             status = obj.get("status") or {}
             if status.get("state") == names.STATE_LOST:
                 reason = next(
@@ -380,7 +428,25 @@ class Client:
     def _token(self) -> str | None:
         return self.token_file.read_text().strip() if self.token_file else None
 
-    async def _create_claim(self, address: ObjectAddress, holder_pod: str, holder_uid: str) -> dict:
+    @property
+    def incarnation(self) -> str | None:
+        """This process's agent incarnation: a sender passes it to ``share`` so the claim dies with us."""
+        return getattr(self.agent, "incarnation", None)
+
+    def _incarnation_field(self, incarnation: str | None = None) -> dict:
+        value = incarnation or self.incarnation
+        return {"incarnation": value} if value else {}
+
+    async def _create_claim(
+        self,
+        address: ObjectAddress,
+        holder_pod: str,
+        holder_uid: str,
+        incarnation: str | None = None,
+        ttl: int | None = None,
+    ) -> dict:
+        if ttl is not None and (not isinstance(ttl, int) or ttl < 1):
+            raise ValueError(f"ttl must be a whole number of seconds >= 1, not {ttl!r}")
         body = {
             "metadata": {
                 "name": f"{address.name[:200]}-{holder_pod[:40]}-{_short_id()[:6]}",
@@ -389,13 +455,19 @@ class Client:
                 # On a receiver's behalf: say who shares, so admission can check it is us (docs/security.md).
                 **({"annotations": {names.ANNOTATION_SHARED_BY: self.pod_name}} if holder_pod != self.pod_name else {}),
             },
-            "spec": {"objectName": address.name, "objectUID": address.uid, "holder": {"podName": holder_pod}},
+            "spec": {
+                "objectName": address.name,
+                "objectUID": address.uid,
+                # Scoped to a process: ours, or the receiver's when the sender knows it.
+                "holder": {"podName": holder_pod, **({"incarnation": incarnation} if incarnation else {})},
+                **({"ttlSeconds": ttl} if ttl else {}),
+            },
         }
         return await self._kube.create(CLAIMS, body, address.namespace)
 
-    async def aborrow_inner(self, ref: ObjectRef | ObjectAddress) -> ObjectRef:
+    async def aborrow_inner(self, ref: ObjectRef | ObjectAddress, ttl: int | None = None) -> ObjectRef:
         address = _live_address(ref, "borrow")
-        created = await self._create_claim(address, self.pod_name, self.pod_uid)
+        created = await self._create_claim(address, self.pod_name, self.pod_uid, self.incarnation, ttl)
         return self._track(
             ObjectRef(
                 address,
@@ -406,12 +478,21 @@ class Client:
             )
         )
 
-    async def ashare_inner(self, ref: ObjectRef | ObjectAddress, pod_name: str, pod_uid: str | None) -> SharedRef:
+    async def ashare_inner(
+        self,
+        ref: ObjectRef | ObjectAddress,
+        pod_name: str,
+        pod_uid: str | None,
+        incarnation: str | None = None,
+        *,
+        ttl: int | None = None,
+        read_once: bool = False,
+    ) -> SharedRef:
         address = _live_address(ref, "share")
         if pod_uid is None:
             pod_uid = await self._pod_uid(address.namespace, pod_name)
-        created = await self._create_claim(address, pod_name, pod_uid)
-        return SharedRef(address, created["metadata"]["name"], created["metadata"]["uid"], pod_name)
+        created = await self._create_claim(address, pod_name, pod_uid, incarnation, ttl)
+        return SharedRef(address, created["metadata"]["name"], created["metadata"]["uid"], pod_name, read_once)
 
     async def _pod_uid(self, namespace: str, pod_name: str) -> str:
         """The receiver's current incarnation, cached briefly: a claim made for an incarnation that has
@@ -435,11 +516,14 @@ class Client:
                 f"this reference was shared with pod {shared.holder_pod}, not {self.pod_name}: "
                 f"share it with {self.pod_name} instead"
             )
-        return self._track(
+        ref = self._track(
             ObjectRef(
                 shared.address, "claim", self._enqueue_release, claim_name=shared.claim_name, claim_uid=shared.claim_uid
             )
         )
+        if shared.read_once:
+            self._read_once.add(ref)
+        return ref
 
     def _track(self, ref: ObjectRef) -> ObjectRef:
         self._live.add(ref)

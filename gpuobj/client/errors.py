@@ -12,7 +12,7 @@ import asyncio
 
 import aiohttp
 
-from gpuobj_kube.client import ApiError, Conflict, Invalid, NotFound
+from gpuobj_kube.client import ApiError, ApiTimeout, Conflict, Invalid, NotFound
 from gpuobj_kube.config import KubeConfigError
 
 
@@ -80,6 +80,8 @@ def translate(exc: BaseException, *, what: str) -> BaseException:
     """
     if isinstance(exc, GpuObjError) or not isinstance(exc, Exception):
         return exc
+    if isinstance(exc, ApiTimeout):  # an API request, not the operation, ran out of time: say so
+        return GpuObjTimeoutError(f"{what}: {exc.message}; the API server is down or overloaded, retry")
     if isinstance(exc, Conflict) and exc.already_exists:
         return NameTakenError(f"{what}: {exc.message}; choose another name (or omit it for a generated one)")
     if isinstance(exc, NotFound):

@@ -117,3 +117,4 @@ class SharedRef:
     claim_name: str
     claim_uid: str
     holder_pod: str
+    read_once: bool = False  # the receiver's handle releases itself after its first completed fetch

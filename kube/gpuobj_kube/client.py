@@ -81,6 +81,12 @@ class Conflict(ApiError):
         return self.reason == "AlreadyExists"
 
 
+class ApiTimeout(ApiError, TimeoutError):
+    """No answer from the API server within the request's deadline: it is down, overloaded or cut off.
+
+    A TimeoutError too, so code that waits on deadlines treats it as one; its message names the request."""
+
+
 class Gone(ApiError):
     """410: a watch's resourceVersion is too old; list again."""
 
@@ -171,27 +177,32 @@ class KubeClient:
         while True:
             await self._fresh_credentials()
             left = deadline - asyncio.get_running_loop().time()
-            async with self.session.request(
-                method,
-                self.config.server + path,
-                params={k: str(v) for k, v in (params or {}).items() if v is not None},
-                data=data,
-                headers=self._headers(content_type if data is not None else None),
-                timeout=aiohttp.ClientTimeout(total=max(left, 0.1)),
-            ) as resp:
-                if resp.status == 429:
-                    delay = min(float(resp.headers.get("Retry-After", "1") or 1), 1.0)
-                    if asyncio.get_running_loop().time() + delay < deadline:
-                        await asyncio.sleep(delay)
+            try:
+                async with self.session.request(
+                    method,
+                    self.config.server + path,
+                    params={k: str(v) for k, v in (params or {}).items() if v is not None},
+                    data=data,
+                    headers=self._headers(content_type if data is not None else None),
+                    timeout=aiohttp.ClientTimeout(total=max(left, 0.1)),
+                ) as resp:
+                    if resp.status == 429:
+                        delay = min(float(resp.headers.get("Retry-After", "1") or 1), 1.0)
+                        if asyncio.get_running_loop().time() + delay < deadline:
+                            await asyncio.sleep(delay)
+                            continue
+                    if resp.status == 401 and not reauthenticated:
+                        reauthenticated = True
+                        await asyncio.to_thread(self.config.invalidate)
                         continue
-                if resp.status == 401 and not reauthenticated:
-                    reauthenticated = True
-                    await asyncio.to_thread(self.config.invalidate)
-                    continue
-                await self._raise_for(resp)
-                if resp.status == 204:
-                    return {}
-                return await resp.json(content_type=None)
+                    await self._raise_for(resp)
+                    if resp.status == 204:
+                        return {}
+                    return await resp.json(content_type=None)
+            except TimeoutError as exc:
+                waited = timeout or self.request_timeout
+                message = f"{method} {path}: no answer from the API server at {self.config.server} in {waited:g}s"
+                raise ApiTimeout(0, "Timeout", message) from exc
 
     # ------------------------------------------------------------ verbs
 

@@ -78,6 +78,14 @@ class KubeConfig:
         self._loaded_at = _utcnow()
         self._ssl: ssl.SSLContext | None = None
 
+    @classmethod
+    def static(
+        cls, server: str, *, authorization: str | None = None, ca_path: str | None = None, namespace: str = "default"
+    ) -> KubeConfig:
+        """Fixed credentials for a known server (tests, tools): nothing to load again."""
+        creds = Credentials(server.rstrip("/"), namespace, authorization, ca_path, None, None, False, None)
+        return cls(lambda: creds, source=f"static {server}")
+
     # -- what callers read
     @property
     def server(self) -> str:

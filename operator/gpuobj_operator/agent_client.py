@@ -128,8 +128,8 @@ class AgentClient:
     async def inventory(self, endpoint: str, *, pod_uid: str) -> dict:
         return await self._call(api.INVENTORY, endpoint, api.INVENTORY.path(), pod_uid=pod_uid)
 
-    async def info(self, endpoint: str, *, pod_uid: str) -> dict:
-        return await self._call(api.INFO, endpoint, api.INFO.path(), pod_uid=pod_uid)
+    async def info(self, endpoint: str, *, pod_uid: str, timeout: float | None = None) -> dict:
+        return await self._call(api.INFO, endpoint, api.INFO.path(), pod_uid=pod_uid, timeout=timeout)
 
     async def materialize(self, endpoint: str, object_id: str, spec: dict, *, pod_uid: str) -> dict:
         route = api.MATERIALIZE

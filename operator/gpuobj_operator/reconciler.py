@@ -37,6 +37,7 @@ from gpuobj_operator.ledger import (
     PatchObjectStatus,
     PatchStreamStatus,
     ReleaseWithoutFree,
+    Requeue,
     SetClaimOwner,
 )
 from gpuobj_operator.metrics import OperatorMetrics
@@ -73,6 +74,9 @@ class Reconciler:
         namespace: str | None = None,
         status_delay: float = 0.25,
         allow_agent_host_annotation: bool = False,
+        liveness_interval: float = 1.0,
+        liveness_max_backoff: float = 8.0,
+        probe_timeout: float = 2.0,
     ) -> None:
         self.allow_agent_host_annotation = allow_agent_host_annotation
         self.kube = kube
@@ -94,6 +98,10 @@ class Reconciler:
         self._status_due: dict[tuple[str, Key], float] = {}
         self._stream_patched_at: dict[Key, float] = {}
         self._pod_lookups: set[Key] = set()
+        self.liveness_interval = liveness_interval
+        self.liveness_max_backoff = liveness_max_backoff
+        self.probe_timeout = probe_timeout
+        self._probe_due: dict[Key, float] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -128,6 +136,8 @@ class Reconciler:
             self._tasks.append(asyncio.create_task(self._worker(), name=f"reconcile-worker-{i}"))
         self._tasks.append(asyncio.create_task(self._audit_loop(), name="audit"))
         self._tasks.append(asyncio.create_task(self._resync_loop(), name="resync"))
+        if self.liveness_interval > 0:
+            self._tasks.append(asyncio.create_task(self._liveness_loop(), name="liveness"))
 
     async def stop(self) -> None:
         self.queue.close()
@@ -177,6 +187,9 @@ class Reconciler:
 
     def on_pod(self, event_type: str | None, raw: dict) -> None:
         info = self._parse_pod(raw)
+        if event_type == "DELETED":
+            self.ledger.liveness.forget(info.key)
+            self._probe_due.pop(info.key, None)
         self.enqueue(self.ledger.remove_pod(info) if event_type == "DELETED" else self.ledger.upsert_pod(info))
 
     # ------------------------------------------------------------ workers
@@ -446,7 +459,12 @@ class Reconciler:
             await self.kube.delete(CLAIMS, a.key[1], a.key[0], uid=a.uid)
         except (NotFound, Conflict):
             return
-        self._emit("GPUObjectClaim", a.key, a.uid, "Normal", "HolderGone", a.reason)
+        self.metrics.claims_dropped.labels(a.holder).inc()
+        reason = "Expired" if a.holder == "ttl" else "HolderGone"
+        self._emit("GPUObjectClaim", a.key, a.uid, "Normal", reason, a.reason)
+
+    async def _do_Requeue(self, a: Requeue) -> None:
+        self.queue.add_after((a.kind, a.key), a.seconds)
 
     async def _do_PatchStreamStatus(self, a: PatchStreamStatus) -> None:
         # A busy stream changes with every item: write its counters at most once per interval.
@@ -509,6 +527,52 @@ class Reconciler:
             except Exception:
                 log.exception("audit pass failed")
 
+    # ------------------------------------------------------------ liveness of agent processes
+
+    async def _liveness_loop(self) -> None:
+        """Probe every agent pod's /v1/info: which process (incarnation) lives, or none (see liveness.py)."""
+        limit = asyncio.Semaphore(32)
+
+        async def probe(pod: PodInfo) -> None:
+            async with limit:
+                await self.probe_agent(pod)
+
+        while True:
+            now = time.monotonic()
+            due = [p for p in self.ledger.agent_pods() if self._probe_due.get(p.key, 0.0) <= now]
+            if due and self.ledger.synced:
+                await asyncio.gather(*(probe(p) for p in due), return_exceptions=True)
+            await asyncio.sleep(self.liveness_interval / 2)
+
+    async def probe_agent(self, pod: PodInfo) -> None:
+        started = time.monotonic()
+        liveness = self.ledger.liveness
+        try:
+            info = await self.agents.info(pod.endpoint, timeout=self.probe_timeout)  # type: ignore[arg-type]
+        except AgentGone:
+            changed = liveness.observe_refused(pod.key, pod.uid, started)
+        except (AgentUnreachable, AgentError) as exc:
+            liveness.observe_unreachable(pod.key, pod.uid)
+            log.debug("probe of %s/%s proved nothing: %s", *pod.key, exc)
+            changed = False
+        else:
+            if info.get("podUID") and info["podUID"] != pod.uid:
+                # Another pod's agent answers at this address: ours is not there.
+                changed = liveness.observe_refused(pod.key, pod.uid, started)
+            else:
+                changed = liveness.observe_alive(pod.key, pod.uid, str(info.get("incarnation", "")), started)
+        if changed:
+            state = liveness.agents.get(pod.key)
+            log.info(
+                "agent of pod %s/%s: %s",
+                *pod.key,
+                "gone" if state and state.gone else f"process {state.incarnation if state else '?'}",
+            )
+        self._probe_due[pod.key] = started + liveness.probe_delay(
+            pod.key, self.liveness_interval, self.liveness_max_backoff
+        )
+        self.enqueue(self.ledger.suspect_records(pod.key))
+
     async def _resync_loop(self) -> None:
         while True:
             await asyncio.sleep(self.resync_interval)
@@ -529,7 +593,12 @@ class Reconciler:
             self.metrics.audits.labels("ok").inc()
             self.metrics.saw_namespace(pod.namespace)
             leaked[(pod.namespace, pod.name)] = result
-        self.metrics.set_leaked(leaked)
+        # Bytes held only by claims of dead processes are leaks too, while they wait to be dropped.
+        dead_held = self.ledger.dead_holder_bytes()
+        for key, size in dead_held.items():
+            if key in leaked:
+                leaked[key] += size
+        self.metrics.set_leaked(leaked, {k: v for k, v in dead_held.items() if k in leaked})
 
     async def _audit_pod(self, pod: PodInfo) -> int:
         expected = audit_mod.expected_objects(self.ledger, pod)
@@ -604,6 +673,7 @@ Reconciler._executors = {
     PatchClaimStatus: Reconciler._do_PatchClaimStatus,
     SetClaimOwner: Reconciler._do_SetClaimOwner,
     DeleteClaim: Reconciler._do_DeleteClaim,
+    Requeue: Reconciler._do_Requeue,
     PatchStreamStatus: Reconciler._do_PatchStreamStatus,
     FinishStream: Reconciler._do_FinishStream,
     Emit: Reconciler._do_Emit,

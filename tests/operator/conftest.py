@@ -40,6 +40,8 @@ FAST_ARGS = [
     "3",
     "--resync-interval",
     "5",
+    "--liveness-interval",
+    "0.25",
 ]
 
 
