@@ -167,6 +167,38 @@ class Fetcher:
         self.metrics.transfer_seconds.labels(direction="in").observe(time.monotonic() - started)
         return tensors
 
+    async def fetch_granted(
+        self,
+        endpoint: str,
+        object_id: str,
+        grant: dict[str, Any],
+        *,
+        device: str = "cpu",
+        token: str | None = None,
+        timeout: float | None = None,
+    ) -> list[torch.Tensor]:
+        """Read with a grant the source handed over (store.grant): no request to the source at all.
+
+        The caller holds a live claim, so the bytes stay. If the grant's NIXL agent was retired
+        (the object moved generation, or the source restarted) the READ fails cleanly and we
+        fall back to a read ticket over HTTP, which also says whether the object still exists.
+        """
+        started = time.monotonic()
+        deadline = started + (timeout if timeout is not None else self.default_timeout)
+        try:
+            target = normalize_device(device)
+        except BadRequest as exc:
+            raise FetchError(str(exc)) from None
+        try:
+            tensors, _ = await self._read(endpoint, grant, target, deadline)
+        except (SourceUnavailable, FetchError) as exc:
+            log.debug("grant for %s on %s no longer serves (%s); asking for a ticket", object_id, endpoint, exc)
+            left = deadline - time.monotonic()
+            return await self.fetch(endpoint, object_id, device=device, token=token, timeout=max(left, 0.001))
+        self.metrics.transfer_bytes.labels(direction="in").inc(sum(t.nbytes for t in tensors))
+        self.metrics.transfer_seconds.labels(direction="in").observe(time.monotonic() - started)
+        return tensors
+
     async def _read(
         self, endpoint: str, ticket: dict[str, Any], device: str, deadline: float
     ) -> tuple[list[torch.Tensor], bool]:
@@ -178,7 +210,7 @@ class Fetcher:
             metadata = base64.b64decode(ticket["agentMetadata"]) if any(spans) else b""
             live = set(ticket.get("liveAgents") or ())
             incarnation = str(ticket.get("incarnation") or "")
-            read_id = str(ticket["readId"])
+            read_id = str(ticket.get("readId") or "")  # none for a grant: no ticket to end
         except (KeyError, TypeError, ValueError, AgentError) as exc:
             raise FetchError(f"source {endpoint} sent a malformed read ticket: {exc}") from None
         if len(layouts) != len(spans) or not isinstance(agent, str):
@@ -200,7 +232,7 @@ class Fetcher:
             deadline,
             abort,
             forget,
-            READ_END_PREFIX + read_id.encode(),
+            READ_END_PREFIX + read_id.encode() if read_id else b"",
         )
         try:
             return await asyncio.shield(job)

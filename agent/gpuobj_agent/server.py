@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from gpuobj_agent.errors import AgentError, BadRequest, NotReady, Unauthorized
+from gpuobj_agent.errors import AgentError, BadRequest, NotReady, ObjectNotFound, Unauthorized
 from gpuobj_agent.layouts import parse_layouts
 from gpuobj_agent.store import check_id, check_stream
 
@@ -171,6 +171,17 @@ class Routes:
             await self.store.free(object_id, reason=reason, wait_fence=_opt_bool(data, "waitFence"))
         )
 
+    async def release_handoff(self, request: web.Request) -> web.Response:
+        """A receiver drops a claim the source made for it (client write-behind): the source's
+        queue cancels the claim if it was never recorded, or deletes it in order. 404: this
+        process does not know the claim (restarted, or no client here); delete it in the API."""
+        claim = check_id(request.match_info["claim"], "claim name")
+        await _body(request, set())
+        sink = self.agent.handoff_sink
+        if sink is None or not await sink(claim):
+            raise ObjectNotFound(claim)
+        return web.json_response({"released": True})
+
     async def free_stream(self, request: web.Request) -> web.Response:
         stream = check_stream(request.match_info["stream"])
         await _body(request, {"reason"})
@@ -193,6 +204,7 @@ def build_app(agent: Agent, extra: Callable[[web.Application], None] | None = No
     app.router.add_delete("/v1/reads/{read_id}", r.end_read)
     app.router.add_post("/v1/objects/{id}/free", r.free)
     app.router.add_post("/v1/streams/{stream}/free", r.free_stream)
+    app.router.add_post("/v1/claims/{claim}/release", r.release_handoff)
     if extra is not None:
         extra(app)
     return app
