@@ -82,7 +82,7 @@ class Pods:
         self.workloads: dict[str, WorkloadProcess] = {}
         self.uids: dict[str, str] = {}
 
-    def workload(self, name: str) -> WorkloadProcess:
+    def workload(self, name: str, env: dict[str, str] | None = None) -> WorkloadProcess:
         port = free_port()
 
         async def create() -> dict:
@@ -98,6 +98,7 @@ class Pods:
             port=port,
             token_file=self.token_file,
             kubeconfig=self.cluster.kubeconfig,
+            env=env,
         )
         self.workloads[name] = w
         return w.start()
