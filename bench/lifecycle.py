@@ -244,10 +244,15 @@ def connect(port):
 
 _persistent = {}
 
+STEPS = ("alloc", "put", "share", "reader", "release", "free wait")
+
 def cycles(size, n, fresh, reader, reader_uid):
     lat = []
+    steps = [0.0] * len(STEPS)
+    rsteps = [0.0, 0.0, 0.0]
     started = time.perf_counter()
     for i in range(n):
+        t0 = time.monotonic()
         value = float(i % 97) if fresh else 7.0
         if fresh:
             t = torch.full((size // 4,), value, dtype=torch.float32)
@@ -255,17 +260,30 @@ def cycles(size, n, fresh, reader, reader_uid):
             t = _persistent.get(size)
             if t is None:
                 t = _persistent[size] = torch.full((size // 4,), value, dtype=torch.float32)
+        t1 = time.monotonic()
         ref = client.put([t])
+        t2 = time.monotonic()
         shared = client.share(ref, reader, pod_uid=reader_uid)
+        t3 = time.monotonic()
         _f.write(base64.b64encode(pickle.dumps((shared, value))) + b"\n")
         _f.flush()
-        assert _f.readline() == b"1\n", "bytes differ"
+        answer = _f.readline().split()
+        assert answer[0] == b"1", "bytes differ"
+        for j, x in enumerate(answer[1:]):
+            rsteps[j] += float(x)
         oid = ref.address.object_id
         t_release = time.monotonic()
         client.release(ref)
-        lat.append(wait_freed(oid) - t_release)
+        t5 = time.monotonic()
+        t6 = wait_freed(oid)
+        lat.append(t6 - t_release)
+        for j, dt in enumerate((t1 - t0, t2 - t1, t3 - t2, t_release - t3, t5 - t_release, t6 - t5)):
+            steps[j] += dt
         del ref, t
-    return n / (time.perf_counter() - started), lat
+    rate = n / (time.perf_counter() - started)
+    breakdown = {k: v / n * 1000 for k, v in zip(STEPS, steps)}
+    breakdown.update({f"reader {k}": v / n * 1000 for k, v in zip(("adopt+fetch", "verify", "release"), rsteps)})
+    return rate, lat, breakdown
 
 def recorded_frees(n, reader, reader_uid):
     # Objects that outlive the write window: recorded, and freed by the operator.
@@ -302,7 +320,7 @@ def burst(n, inflight=32):
 """
 
 READER_SETUP = r"""
-import base64, pickle, socket, threading
+import base64, pickle, socket, threading, time
 _srv = socket.socket()
 _srv.bind(("127.0.0.1", 0))
 _srv.listen()
@@ -313,12 +331,16 @@ def _handle(conn):
     f = conn.makefile("rwb")
     while line := f.readline():
         shared, value = pickle.loads(base64.b64decode(line))
+        t0 = time.monotonic()
         h = client.adopt(shared)
         t = client.fetch(h)[0]
+        t1 = time.monotonic()
         ok = bool((t[::4096] == value).all() and t[0] == value and t[-1] == value)
+        t2 = time.monotonic()
         client.release(h)
         del t, h
-        f.write(b"1\n" if ok else b"0\n")
+        t3 = time.monotonic()
+        f.write(b"%d %f %f %f\n" % (ok, t1 - t0, t2 - t1, t3 - t2))
         f.flush()
 
 def _serve():
@@ -391,13 +413,16 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
             row = {}
             for policy in ("persistent", "fresh"):
                 before = request_counts(handle)
-                rate, lat = src.eval(f"cycles({size}, {n}, {policy == 'fresh'}, {rname!r}, {ruid!r})", timeout=1800)
+                rate, lat, breakdown = src.eval(
+                    f"cycles({size}, {n}, {policy == 'fresh'}, {rname!r}, {ruid!r})", timeout=1800
+                )
                 src.run("client.flush()")
                 sent = delta(request_counts(handle), before)
                 row[policy] = {
                     "rate": rate,
                     "free_ms": [x * 1000 for x in lat],
                     "writes_per_cycle": writes(sent) / n,
+                    "steps_ms": breakdown,
                     "requests": {f"{v} {r}": c for (v, r), c in sent.items()},
                 }
                 print(f"# gpuobj {human(size)} {policy}: {rate:.1f} cycles/s", file=sys.stderr, flush=True)
@@ -529,10 +554,14 @@ def report(ray: dict | str, ours: dict | str, sizes: list[int]) -> None:
                 f"{b['requests_per_object']:.2f} API requests/object ({b['writes_per_object']:.2f} writes)"
             )
         for size in sizes:
-            for policy in ("persistent",):
+            for policy in ("persistent", "fresh"):
                 o = ours["rows"].get(str(size), {}).get(policy)
-                if o and o.get("requests"):
-                    print(f"  API requests, {human(size)} {policy}: {o['requests']}")
+                if not o:
+                    continue
+                steps = ", ".join(f"{k} {v:.2f}" for k, v in o.get("steps_ms", {}).items())
+                print(f"  gpuobj {human(size)} {policy}, ms per cycle: {steps}")
+                if o.get("requests"):
+                    print(f"    API requests: {o['requests']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -541,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 1 << 20, 64 << 20])
     parser.add_argument("--pairs", type=int, default=4, help="producer/reader pairs for the concurrency column")
     parser.add_argument("--burst", type=int, default=1000, help="short-lived objects per client in the burst (0: skip)")
-    parser.add_argument("--window", type=float, default=0.05, help="gpuobj's write-behind window, seconds")
+    parser.add_argument("--window", type=float, default=0.1, help="gpuobj's write-behind window, seconds")
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray RDT side")
     parser.add_argument("--side", choices=["ray", "gpuobj"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)

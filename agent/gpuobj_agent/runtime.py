@@ -277,6 +277,20 @@ class AgentRuntime:
             self.agent.fetcher.fetch_granted(endpoint, object_id, grant, device=device, token=token, timeout=timeout)
         )
 
+    def fetch_granted_direct(
+        self,
+        endpoint: str,
+        object_id: str,
+        grant: dict[str, Any],
+        *,
+        device: str = "cpu",
+        timeout: float | None = None,
+    ) -> list[torch.Tensor]:
+        """Read with a grant in the calling thread (no loop, no request); raises if the grant went stale."""
+        fetcher = self.agent.fetcher
+        assert fetcher is not None
+        return fetcher.fetch_granted_direct(endpoint, object_id, grant, device=device, timeout=timeout)
+
     def set_handoff_sink(self, sink: Callable[[str], Coroutine[Any, Any, bool]] | None) -> None:
         """Route receivers' releases of hand-off claims to `sink` (a coroutine function on any loop).
 

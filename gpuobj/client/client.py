@@ -106,7 +106,7 @@ class Client:
         backpressure_timeout: float | None = None,
     ) -> None:
         """``write_behind`` (default on; $GPUOBJ_WRITE_BEHIND=0 turns it off): API writes leave the
-        caller's path; ``write_window`` seconds ($GPUOBJ_WRITE_WINDOW, default 0.05) is how long an
+        caller's path; ``write_window`` seconds ($GPUOBJ_WRITE_WINDOW, default 0.1) is how long an
         object may live without ever being recorded; ``max_pending_writes``
         ($GPUOBJ_MAX_PENDING_WRITES) bounds the queue, and a put that finds it full waits up to
         ``backpressure_timeout`` ($GPUOBJ_BACKPRESSURE_TIMEOUT, default the call timeout) and then
@@ -127,6 +127,7 @@ class Client:
         self._release_lock = asyncio.Lock()
         self._live: weakref.WeakSet[ObjectRef] = weakref.WeakSet()
         self._pod_uids: dict[tuple[str, str], tuple[str, float]] = {}
+        self._reading_lock = threading.Lock()
         self._reading: dict[str, int] = {}  # claim name -> fetches in flight under it
         self._deferred: dict[str, list[Release]] = {}  # releases waiting for those fetches
         self._http: Any = None  # aiohttp session for hand-off releases, made on first use
@@ -207,6 +208,24 @@ class Client:
         return self._call(self.aput_inner(tensors, name=name, labels=labels))
 
     def fetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
+        if (
+            isinstance(ref, ObjectRef)
+            and ref.grant is not None
+            and ref.claim_name
+            and hasattr(self.agent, "fetch_granted_direct")
+        ):
+            # A hand-off with a read grant: read in this thread, with no loop hop and no request.
+            claim = ref.claim_name
+            self._begin_read(claim)
+            try:
+                if ref.alive:
+                    address = ref.address
+                    with contextlib.suppress(Exception):  # stale grant or error: the full path says why
+                        return self.agent.fetch_granted_direct(
+                            address.source_endpoint, address.object_id, ref.grant, device=device, timeout=self.timeout
+                        )
+            finally:
+                self._end_read(claim)
         return self._call(self.afetch_inner(ref, device=device))
 
     def borrow(self, ref: ObjectRef | ObjectAddress) -> ObjectRef:
@@ -347,7 +366,7 @@ class Client:
             raise ObjectNotFoundError(f"this reference to {address.namespace}/{address.name} was released")
         claim = ref.claim_name if granted else None  # type: ignore[union-attr]
         if claim is not None:
-            self._reading[claim] = self._reading.get(claim, 0) + 1  # its release waits for this read
+            self._begin_read(claim)  # its release waits for this read
         try:
             # The runtime's async API runs on the agent's own loop: no thread is blocked waiting.
             if claim is not None:
@@ -385,17 +404,26 @@ class Client:
             ) from exc
         finally:
             if claim is not None:
-                self._read_done(claim)
+                self._end_read(claim)
 
-    def _read_done(self, claim: str) -> None:
-        left = self._reading.get(claim, 1) - 1
-        if left > 0:
-            self._reading[claim] = left
-            return
-        self._reading.pop(claim, None)
-        for release in self._deferred.pop(claim, []):
-            self._releases.put(release)
-        self._release_event.set()
+    def _begin_read(self, claim: str) -> None:
+        with self._reading_lock:
+            self._reading[claim] = self._reading.get(claim, 0) + 1
+
+    def _end_read(self, claim: str) -> None:
+        """Any thread: the read under `claim` ended; releases it held back go to the queue now."""
+        with self._reading_lock:
+            left = self._reading.get(claim, 1) - 1
+            if left > 0:
+                self._reading[claim] = left
+                return
+            self._reading.pop(claim, None)
+            deferred = self._deferred.pop(claim, [])
+        if deferred:
+            for release in deferred:
+                self._releases.put(release)
+            with contextlib.suppress(RuntimeError):
+                self._loop.loop.call_soon_threadsafe(self._release_event.set)
 
     def _token(self) -> str | None:
         return self.token_file.read_text().strip() if self.token_file else None
@@ -542,9 +570,11 @@ class Client:
             except queue.Empty:
                 return
             kind, namespace, name, uid, via = release
-            if kind == "claim" and name in self._reading:
-                self._deferred.setdefault(name, []).append(release)  # a fetch under it is in flight
-                continue
+            if kind == "claim":
+                with self._reading_lock:
+                    if name in self._reading:
+                        self._deferred.setdefault(name, []).append(release)  # a fetch under it is in flight
+                        continue
             try:
                 await self._process_release(kind, namespace, name, uid, via)
             except Exception as exc:

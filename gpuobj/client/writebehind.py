@@ -41,7 +41,7 @@ from gpuobj_kube.client import CLAIMS, GPUOBJECTS, ApiError, Conflict, KubeClien
 
 log = logging.getLogger("gpuobj.client.writebehind")
 
-DEFAULT_WINDOW = 0.05
+DEFAULT_WINDOW = 0.1
 DEFAULT_MAX_PENDING = 10_000
 DEFAULT_CONCURRENCY = 16
 BACKOFF_START = 0.05
