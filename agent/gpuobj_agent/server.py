@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from gpuobj_agent.auth import Caller, Forbidden
-from gpuobj_agent.errors import AgentError, BadRequest, Conflict, NotReady
+from gpuobj_agent.errors import AgentError, BadRequest, Conflict, NotReady, ObjectNotFound
 from gpuobj_agent.layouts import parse_layouts
 from gpuobj_agent.store import check_id, check_stream
 from gpuobj_contract import agent_api as api
@@ -225,6 +225,21 @@ class Routes:
             await self.store.free(object_id, reason=reason, wait_fence=_opt_bool(data, "waitFence"))
         )
 
+    async def release_handoff(self, request: web.Request) -> web.Response:
+        """A receiver drops a claim the source made for it (client write-behind): the source's
+        queue cancels the claim if it was never recorded, or deletes it in order. 404: this
+        process does not know the claim (restarted, or no client here); delete it in the API."""
+        claim = check_id(request.match_info["claim"], "claim name")
+        caller: Caller = request[CALLER]
+        if caller.namespace != self.agent.config.namespace:
+            # A hand-off is a claim in the source's namespace, made for a pod there.
+            raise Forbidden(f"{caller.subject} may not release hand-offs of namespace {self.agent.config.namespace}")
+        await _body(request, set())
+        sink = self.agent.handoff_sink
+        if sink is None or not await sink(claim):
+            raise ObjectNotFound(claim)
+        return web.json_response({"released": True})
+
     async def free_stream(self, request: web.Request) -> web.Response:
         stream = check_stream(request.match_info["stream"])
         await _body(request, {"reason"})
@@ -235,7 +250,7 @@ def build_app(agent: Agent, extra: Callable[[web.Application], None] | None = No
     """The aiohttp application; `extra` may add routes (the test workload does)."""
     app = web.Application(middlewares=[_guard], client_max_size=MAX_BODY)
     app[AGENT_KEY] = agent
-    app[ROLES_KEY] = {(r.method, r.template): READER for r in (api.BEGIN_READ, api.END_READ)}
+    app[ROLES_KEY] = {(r.method, r.template): READER for r in (api.BEGIN_READ, api.END_READ, api.RELEASE_HANDOFF)}
     r = Routes(agent)
     for route, handler in (
         (api.HEALTHZ, r.healthz),
@@ -249,6 +264,7 @@ def build_app(agent: Agent, extra: Callable[[web.Application], None] | None = No
         (api.END_READ, r.end_read),
         (api.FREE, r.free),
         (api.FREE_STREAM, r.free_stream),
+        (api.RELEASE_HANDOFF, r.release_handoff),
     ):
         app.router.add_route(route.method, route.template, handler)
     if extra is not None:

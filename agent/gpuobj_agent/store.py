@@ -359,8 +359,8 @@ class ObjectStore:
         return True, obj
 
     # -- reads -------------------------------------------------------------------------
-    async def begin_read(self, object_id: str, reader: str) -> dict[str, Any]:
-        """Issue a read ticket: everything a reader needs, and a lease the free will respect."""
+    async def _described(self, object_id: str) -> StoredObject:
+        """The live object, with its description current for the NIXL agent that now holds it."""
         for _ in range(8):
             obj = self.objects.get(object_id)
             if obj is None or obj.freeing is not None:
@@ -372,8 +372,40 @@ class ObjectStore:
                 if self.objects.get(object_id) is not obj or obj.freeing is not None or obj.gid != gid:
                     continue  # freed or moved meanwhile: look again
                 obj.description, obj.described_gid = description, gid
-            return self._issue(obj, reader)
+            return obj
         raise NotReady(f"object {object_id} keeps moving between NIXL agents; retry")
+
+    async def begin_read(self, object_id: str, reader: str) -> dict[str, Any]:
+        """Issue a read ticket: everything a reader needs, and a lease the free will respect."""
+        return self._issue(await self._described(object_id), reader)
+
+    async def grant(self, object_id: str) -> dict[str, Any]:
+        """A read grant: what a reader holding a live claim needs to read this object with no request here.
+
+        Exactly this object's spans and the NIXL partial metadata of its own registration, under
+        the source incarnation and generation. No ticket and no lease: the reader's live claim keeps
+        the bytes (the operator frees only once no claim is left, and the client releases a claim
+        only after its reads ended). The keys count as exposed, so a free quarantines the memory
+        until the generation is fenced, and a reader still holding the grant after a move or a
+        free fails cleanly on the retired NIXL agent and falls back to a ticket.
+        """
+        obj = await self._described(object_id)
+        gen = self.gens.get(obj.gid)
+        assert obj.description is not None
+        metadata, descriptors, whole = obj.description
+        self.ledger.expose(obj.gid, self.ledger.keys_in(obj.gid) if whole else obj.keys)
+        self.metrics.tickets.labels(result="granted").inc()
+        return {
+            "nixlAgent": gen.name,
+            "agentMetadata": metadata,
+            "descriptors": descriptors,
+            "spans": [s.to_json() if s is not None else None for s in obj.spans],
+            "tensors": [layout.to_json() for layout in obj.layouts],
+            "bytes": obj.nbytes,
+            "liveAgents": self.gens.live_names(),
+            "incarnation": self.incarnation,
+            "generation": obj.gid,
+        }
 
     def _issue(self, obj: StoredObject, reader: str) -> dict[str, Any]:
         gen = self.gens.get(obj.gid)

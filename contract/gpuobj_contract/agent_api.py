@@ -55,6 +55,7 @@ BEGIN_READ = Route("POST", "/v1/objects/{id}/reads")
 END_READ = Route("DELETE", "/v1/reads/{read_id}")
 FREE = Route("POST", "/v1/objects/{id}/free")
 FREE_STREAM = Route("POST", "/v1/streams/{stream}/free")
+RELEASE_HANDOFF = Route("POST", "/v1/claims/{claim}/release")
 
 OPEN_ROUTES = (HEALTHZ, READYZ, METRICS)  # no credential needed
 PROTECTED_PREFIX = "/v1/"

@@ -76,7 +76,7 @@ def test_released_handle_refuses_but_an_address_does_not() -> None:
     ref = ObjectRef(address, "owner", lambda *a: released.append(a))
     assert _live_address(ref, "fetch") is address
     ref.release()
-    assert released == [("object", "ns", "w", "uid-1")]
+    assert released == [("object", "ns", "w", "uid-1", None)]  # (kind, namespace, name, uid, via)
     with pytest.raises(errors.ReleasedHandleError, match="cannot fetch GPUObject ns/w"):
         _live_address(ref, "fetch")
     assert _live_address(address, "fetch") is address  # a plain address holds no reference to check
