@@ -34,6 +34,7 @@ __all__ = [
     "ReleasedHandleError",
     "SharedRef",
     "StreamClosedError",
+    "WriteFailedError",
 ]
 
 _LAZY = {
@@ -54,6 +55,7 @@ _LAZY = {
     "PodNotFoundError": "gpuobj.client.errors",
     "ReleasedHandleError": "gpuobj.client.errors",
     "StreamClosedError": "gpuobj.client.errors",
+    "WriteFailedError": "gpuobj.client.writebehind",
 }
 
 

@@ -356,7 +356,7 @@ class Client:
 
     def flush(self, timeout: float | None = None) -> None:
         """Send every queued API write now and wait until all have landed."""
-        self._call(self.aflush_inner(timeout))
+        self._call(self.aflush_inner(timeout), "flush the queued API writes")
 
     async def aflush(self, timeout: float | None = None) -> None:
         await self._loop.acall(self.aflush_inner(timeout), self.timeout if timeout is None else timeout + 5)
@@ -368,7 +368,7 @@ class Client:
 
     def write_stats(self) -> dict:
         """The write-behind queue: pending writes, families, sent, elided, retries, last error."""
-        return self._call(self._astats())
+        return self._call(self._astats(), "read the write-behind stats")
 
     async def _astats(self) -> dict:
         return self._wb.stats() if self._wb is not None else {"pending": 0}
@@ -720,7 +720,7 @@ class Client:
 
     def stream_writer(self, name: str) -> StreamWriter:
         """Create the GPUObjectStream ``name`` with this pod as producer."""
-        return self._call(StreamWriter.acreate(self, name))
+        return self._call(StreamWriter.acreate(self, name), f"create stream {name}")
 
     async def astream_writer(self, name: str) -> StreamWriter:
         return await self._loop.acall(StreamWriter.acreate(self, name), self.timeout)
@@ -731,7 +731,7 @@ class Client:
 
     def delete_stream(self, name: str) -> None:
         """Delete the stream: every item in it is freed, reported or not."""
-        self._call(adelete_stream(self, name))
+        self._call(adelete_stream(self, name), f"delete stream {name}")
 
     # ------------------------------------------------------------ releases from finalizers
 
