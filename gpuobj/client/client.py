@@ -285,13 +285,19 @@ class Client:
         try:
             return self._loop.call(coro, self.timeout)
         except BaseException as exc:
-            raise errors.agent_error(exc, what=what) from exc
+            err = errors.agent_error(exc, what=what)
+            if err is exc:
+                raise
+            raise err from exc
 
     async def _acall(self, coro, what: str):
         try:
             return await self._loop.acall(coro, self.timeout)
         except BaseException as exc:
-            raise errors.agent_error(exc, what=what) from exc
+            err = errors.agent_error(exc, what=what)
+            if err is exc:
+                raise
+            raise err from exc
 
     def put(
         self, tensors: Any, *, name: str | None = None, labels: dict[str, str] | None = None, copy: bool = False

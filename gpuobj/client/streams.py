@@ -67,7 +67,7 @@ class StreamWriter:
         return index
 
     def emit(self, tensors: Any) -> int:
-        return self.client._call(self.aemit(tensors))
+        return self.client._call(self.aemit(tensors), f"emit to stream {self.name}")
 
     async def aclose(self) -> None:
         """Mark the end: readers stop after the last emitted item."""
@@ -79,7 +79,7 @@ class StreamWriter:
         )
 
     def close(self) -> None:
-        self.client._call(self.aclose())
+        self.client._call(self.aclose(), f"close stream {self.name}")
 
 
 class StreamReader:
@@ -215,7 +215,7 @@ class StreamReader:
         agen = self.aiter()
         while True:
             try:
-                yield self.client._call(agen.__anext__())
+                yield self.client._call(agen.__anext__(), f"read stream {self.name}")
             except StopAsyncIteration:
                 return
 
