@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import secrets
 import sys
 import tempfile
 import threading
@@ -26,6 +25,7 @@ sys.path.insert(0, str(REPO))
 
 from gpuobj_dev.cluster import DevCluster  # noqa: E402
 from gpuobj_dev.testing.cluster import ClusterHandle  # noqa: E402
+from gpuobj_dev.testing.identities import WORKLOAD_SA, Identities  # noqa: E402
 from gpuobj_dev.testing.operator import OperatorProcess  # noqa: E402
 from gpuobj_dev.testing.pods import create_agent_pod  # noqa: E402
 from gpuobj_dev.testing.workload import WorkloadProcess, free_port  # noqa: E402
@@ -145,29 +145,35 @@ def main(argv: list[str] | None = None) -> int:
     try:
         handle.apply_crds()
         handle.kubectl("create", "namespace", NAMESPACE)
-        token = state / "token"
-        token.write_text(secrets.token_hex(16))
+        # The operator and the workloads run as their ServiceAccounts with the chart's roles, as in a cluster.
+        identities = Identities(handle, NAMESPACE, state / "identities")
+        op = identities.operator()
         operator = (
-            OperatorProcess(handle.kubeconfig, token, lease_namespace=NAMESPACE, extra_args=["--namespace", NAMESPACE])
+            OperatorProcess(
+                op.kubeconfig, op.agent_token, lease_namespace=NAMESPACE, extra_args=["--namespace", NAMESPACE]
+            )
             .start()
             .wait_ready()
         )
 
         async def pod(name: str, port: int) -> str:
             async with handle.client() as kube:
-                return (await create_agent_pod(kube, NAMESPACE, name, port=port))["metadata"]["uid"]
+                created = await create_agent_pod(kube, NAMESPACE, name, port=port, service_account=WORKLOAD_SA)
+                return created["metadata"]["uid"]
 
         for name in ("src", "reader"):
             port = free_port()
             uid = asyncio.run(pod(name, port))
+            creds = identities.workload(name, uid)
             workloads.append(
                 WorkloadProcess(
                     pod_name=name,
                     namespace=NAMESPACE,
                     pod_uid=uid,
                     port=port,
-                    token_file=token,
-                    kubeconfig=handle.kubeconfig,
+                    token_file=creds.agent_token,
+                    kubeconfig=creds.kubeconfig,
+                    env=identities.workload_env,
                 ).start()
             )
         src, reader = workloads

@@ -43,7 +43,7 @@ from gpuobj_agent.errors import (
 from gpuobj_agent.generations import GenerationTable
 from gpuobj_agent.layouts import TensorLayout
 from gpuobj_agent.metrics import AgentMetrics, Levels
-from gpuobj_agent.nixl_transport import NixlAgent, Span, region_of
+from gpuobj_agent.nixl_transport import NixlAgent, Span, exact_regions
 from gpuobj_agent.quarantine import Quarantine
 from gpuobj_agent.registrations import RegionKey, RegionReused, RegistrationLedger
 from gpuobj_agent.tickets import ReadTickets
@@ -249,7 +249,10 @@ class ObjectStore:
             await self._control(_sync_cuda, tensors)  # off the loop: a device sync may take a while
         layouts = [TensorLayout.of(t) for t in tensors]
         spans = [Span.of(t) for t in tensors]
-        keys = list(dict.fromkeys(k for k in (region_of(t) for t in tensors) if k is not None))
+        keys = exact_regions(spans)  # the object's own bytes, never the rest of the storage it views
+        if len({k.mem for k in keys}) > 1:
+            # NIXL's partial metadata cannot describe both; its full metadata names every region of the agent.
+            raise BadRequest("an object is in host memory or on GPUs, not both: put the CPU and CUDA tensors apart")
         for attempt in range(2):
             async with self.nixl_lock:
                 if object_id in self.objects:
