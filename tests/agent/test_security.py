@@ -225,3 +225,18 @@ def test_a_reader_asking_for_bytes_just_outside_its_span_gets_nothing(make_proce
     finally:
         reader.close()
     settle(src.stats)
+
+
+def test_a_pod_byte_quota_refuses_puts_and_declared_objects_beyond_it(make_process):
+    """Probe: a declared object naming a pod made its agent allocate 256 MiB. With a quota, nothing is allocated."""
+    src = make_process("quota", workload=True, env={"GPUOBJ_MAX_STORE_BYTES": str(64 << 10)})
+    small = TensorLayout((32 << 10,), "uint8", "cpu").to_json()
+    assert src.request("PUT", "/v1/objects/fits", {"tensors": [small]})[0] == 200
+    big = {"shape": [1 << 26], "dtype": "float32", "device": "cpu"}
+    status, answer = src.request("PUT", "/v1/objects/big", {"tensors": [big]})
+    assert status == 507 and "quota" in answer["error"], answer
+    status, answer = src.request("POST", "/v1/test/put", {"id": "put", "tensors": [small, small]})
+    assert status >= 400 and "quota" in str(answer), answer
+    assert [o["id"] for o in src.request("GET", "/v1/objects")[1]["objects"]] == ["fits"]
+    assert src.request("POST", "/v1/objects/fits/free", {})[1]["freed"]
+    settle(src.stats)
