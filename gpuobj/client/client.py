@@ -153,8 +153,16 @@ class Client:
     def _call(self, coro):
         return self._loop.call(coro, self.timeout)
 
-    def put(self, tensors: Any, *, name: str | None = None, labels: dict[str, str] | None = None) -> ObjectRef:
-        return self._call(self.aput_inner(tensors, name=name, labels=labels))
+    def put(
+        self,
+        tensors: Any,
+        *,
+        name: str | None = None,
+        labels: dict[str, str] | None = None,
+        shared_with: Sequence[str] = (),
+    ) -> ObjectRef:
+        """Store and record an object. Pods of this namespace may read it, and of those in `shared_with`."""
+        return self._call(self.aput_inner(tensors, name=name, labels=labels, shared_with=shared_with))
 
     def fetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
         return self._call(self.afetch_inner(ref, device=device))
@@ -181,8 +189,17 @@ class Client:
 
     # ------------------------------------------------------------ async facade (asyncio workloads)
 
-    async def aput(self, tensors: Any, *, name: str | None = None, labels: dict[str, str] | None = None) -> ObjectRef:
-        return await self._loop.acall(self.aput_inner(tensors, name=name, labels=labels), self.timeout)
+    async def aput(
+        self,
+        tensors: Any,
+        *,
+        name: str | None = None,
+        labels: dict[str, str] | None = None,
+        shared_with: Sequence[str] = (),
+    ) -> ObjectRef:
+        return await self._loop.acall(
+            self.aput_inner(tensors, name=name, labels=labels, shared_with=shared_with), self.timeout
+        )
 
     async def afetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
         return await self._loop.acall(self.afetch_inner(ref, device=device), self.timeout)
@@ -206,6 +223,7 @@ class Client:
         *,
         labels: dict[str, str] | None = None,
         stream: tuple[str, int, str] | None = None,
+        shared_with: Sequence[str] = (),
     ) -> dict:
         meta: dict = {
             "name": name,
@@ -218,6 +236,8 @@ class Client:
             "objectId": object_id,
             "tensors": [t.to_spec() for t in layouts],
         }
+        if shared_with:
+            spec["sharedWith"] = list(shared_with)
         if stream is not None:
             stream_name, index, stream_uid = stream
             meta["labels"][names.LABEL_STREAM] = stream_name
@@ -239,16 +259,21 @@ class Client:
         name: str | None = None,
         labels: dict[str, str] | None = None,
         stream: tuple[str, int, str] | None = None,
+        shared_with: Sequence[str] = (),
     ) -> ObjectRef:
         tensors = list(tensors) if isinstance(tensors, list | tuple) else [tensors]
         object_id = f"o-{_short_id()}"
         name = name or f"{self.pod_name}-{object_id[2:12]}"
         layouts = tuple(layout_of(t) for t in tensors)
-        stream_kw = {"stream": stream[0], "stream_index": stream[1]} if stream else {}
+        stream_kw: dict[str, Any] = {"stream": stream[0], "stream_index": stream[1]} if stream else {}
+        if shared_with:
+            stream_kw["shared_with"] = tuple(shared_with)
         await self.agent.aput(object_id, tensors, **stream_kw)
         try:
             created = await self._kube.create(
-                GPUOBJECTS, self.object_body(name, object_id, layouts, labels=labels, stream=stream), self.namespace
+                GPUOBJECTS,
+                self.object_body(name, object_id, layouts, labels=labels, stream=stream, shared_with=shared_with),
+                self.namespace,
             )
         except BaseException:
             # The write failed: nothing in the API references these bytes, so free them now (seed 003).

@@ -42,6 +42,7 @@ class ObjectInfo:
     source_pod_uid: str | None = None
     spec_object_id: str | None = None
     key_name: str | None = None
+    shared_with: tuple[str, ...] = ()  # spec.sharedWith: other namespaces whose pods may read it
     stream: tuple[str, int] | None = None
     deleting: bool = False
     finalized: bool = False  # carries gpuobj.io/free
@@ -168,6 +169,7 @@ def parse_object(obj: dict) -> ObjectInfo:
         tensors=list(spec.get("tensors") or []),
         spec_object_id=spec.get("objectId"),
         key_name=spec.get("key"),
+        shared_with=tuple(spec.get("sharedWith") or ()),
         stream=(stream["name"], int(stream["index"])) if stream else None,
         deleting=bool(meta.get("deletionTimestamp")),
         finalized=names.FINALIZER_FREE in (meta.get("finalizers") or []),
