@@ -209,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="gpuobj-bench-") as tmp:
         token_file = Path(tmp) / "token"
-        src = AgentProcess("bench-src", workload=True, workdir=tmp).start()
+        # Two processes of one user on one node, compared with a raw NIXL READ between the same two: a
+        # single-tenant setting, so UCX's cma (unbounded by registrations, off by default) is allowed
+        # explicitly, as the raw READ uses it too (docs/security.md).
+        src = AgentProcess("bench-src", workload=True, workdir=tmp, env={"GPUOBJ_ALLOW_CMA": "true"}).start()
         # The reader pod's own token (same namespace as the source), from the issuer the agents trust.
         reader_token = src.issuer.token("default/default", pod=("bench-dst", "bench-dst-uid"))
         token_file.write_text(reader_token)
@@ -221,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                 token_file=str(token_file),
                 issuer_url=src.issuer.url,
                 operator_service_accounts=(OPERATOR,),
+                allow_cma=True,
             )
         ).start()
         rows = []
