@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from gpuobj_agent.auth import Caller, Forbidden
-from gpuobj_agent.errors import AgentError, BadRequest, Conflict, NotReady
+from gpuobj_agent.errors import AgentError, BadRequest, Conflict, NotReady, ObjectNotFound
 from gpuobj_agent.layouts import parse_layouts
 from gpuobj_agent.store import check_id, check_stream
+from gpuobj_contract import agent_api as api
 from gpuobj_contract import names
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ MAX_BODY = 1 << 20
 AGENT_KEY = web.AppKey("gpuobj_agent", object)  # the Agent (typed loosely: agent.py imports this module)
 ROLES_KEY = web.AppKey("gpuobj_roles", dict)  # (method, route) -> "operator" | "reader"
 CALLER = web.RequestKey("gpuobj_caller", object)  # the verified Caller
-OPEN_PATHS = ("/healthz", "/readyz", "/metrics")
+OPEN_PATHS = tuple(route.template for route in api.OPEN_ROUTES)
 OPERATOR, READER = "operator", "reader"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -52,7 +53,7 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     """
     agent: Agent = request.app[AGENT_KEY]  # type: ignore[assignment]
     try:
-        if request.path.startswith("/v1/"):
+        if request.path.startswith(api.PROTECTED_PREFIX):
             route = request.match_info.route
             method = "GET" if request.method == "HEAD" else request.method
             role = request.app[ROLES_KEY].get((method, route.resource.canonical if route.resource else ""), OPERATOR)
@@ -224,6 +225,21 @@ class Routes:
             await self.store.free(object_id, reason=reason, wait_fence=_opt_bool(data, "waitFence"))
         )
 
+    async def release_handoff(self, request: web.Request) -> web.Response:
+        """A receiver drops a claim the source made for it (client write-behind): the source's
+        queue cancels the claim if it was never recorded, or deletes it in order. 404: this
+        process does not know the claim (restarted, or no client here); delete it in the API."""
+        claim = check_id(request.match_info["claim"], "claim name")
+        caller: Caller = request[CALLER]
+        if caller.namespace != self.agent.config.namespace:
+            # A hand-off is a claim in the source's namespace, made for a pod there.
+            raise Forbidden(f"{caller.subject} may not release hand-offs of namespace {self.agent.config.namespace}")
+        await _body(request, set())
+        sink = self.agent.handoff_sink
+        if sink is None or not await sink(claim):
+            raise ObjectNotFound(claim)
+        return web.json_response({"released": True})
+
     async def free_stream(self, request: web.Request) -> web.Response:
         stream = check_stream(request.match_info["stream"])
         await _body(request, {"reason"})
@@ -234,19 +250,23 @@ def build_app(agent: Agent, extra: Callable[[web.Application], None] | None = No
     """The aiohttp application; `extra` may add routes (the test workload does)."""
     app = web.Application(middlewares=[_guard], client_max_size=MAX_BODY)
     app[AGENT_KEY] = agent
-    app[ROLES_KEY] = {("POST", "/v1/objects/{id}/reads"): READER, ("DELETE", "/v1/reads/{read_id}"): READER}
+    app[ROLES_KEY] = {(r.method, r.template): READER for r in (api.BEGIN_READ, api.END_READ, api.RELEASE_HANDOFF)}
     r = Routes(agent)
-    app.router.add_get("/healthz", r.healthz)
-    app.router.add_get("/readyz", r.readyz)
-    app.router.add_get("/metrics", r.metrics)
-    app.router.add_get("/v1/info", r.info)
-    app.router.add_get("/v1/objects", r.inventory)
-    app.router.add_get("/v1/objects/{id}", r.get_object)
-    app.router.add_put("/v1/objects/{id}", r.put_object)
-    app.router.add_post("/v1/objects/{id}/reads", r.begin_read)
-    app.router.add_delete("/v1/reads/{read_id}", r.end_read)
-    app.router.add_post("/v1/objects/{id}/free", r.free)
-    app.router.add_post("/v1/streams/{stream}/free", r.free_stream)
+    for route, handler in (
+        (api.HEALTHZ, r.healthz),
+        (api.READYZ, r.readyz),
+        (api.METRICS, r.metrics),
+        (api.INFO, r.info),
+        (api.INVENTORY, r.inventory),
+        (api.GET_OBJECT, r.get_object),
+        (api.MATERIALIZE, r.put_object),
+        (api.BEGIN_READ, r.begin_read),
+        (api.END_READ, r.end_read),
+        (api.FREE, r.free),
+        (api.FREE_STREAM, r.free_stream),
+        (api.RELEASE_HANDOFF, r.release_handoff),
+    ):
+        app.router.add_route(route.method, route.template, handler)
     if extra is not None:
         extra(app)
     return app

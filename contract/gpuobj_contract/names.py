@@ -5,7 +5,7 @@ Every module, manifest generator and test reads these; nothing spells them again
 
 from __future__ import annotations
 
-from gpuobj_contract.layouts import DTYPE_BYTES
+from gpuobj_contract.layouts import DEVICES_PATTERN, DTYPE_BYTES
 
 GROUP = "gpuobj.io"
 VERSION = "v1alpha1"
@@ -56,4 +56,4 @@ CONDITION_RELEASED = "Released"
 
 # Dtypes a GPUObject may declare: torch dtype names without the "torch." prefix.
 DTYPES = tuple(DTYPE_BYTES)
-DEVICES_PATTERN = r"^(cpu|cuda(:[0-9]+)?)$"
+__all__ = ["DEVICES_PATTERN", "DTYPES"]  # re-exported: layouts.py is their home

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import errno
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
+from gpuobj_contract import agent_api as api
 from gpuobj_contract import names
+from gpuobj_contract.agent_api import FreeAnswer, FreeRequest
 
 # A 10,000-object inventory is about 3 MiB of JSON; an agent that sends more is refused, not read.
 MAX_ANSWER_BYTES = 16 << 20
@@ -41,14 +42,6 @@ class AgentUnreachable(Exception):
 
 class AgentGone(AgentUnreachable):
     """Connection refused: no agent listens at that address any more."""
-
-
-@dataclass(frozen=True)
-class FreeResult:
-    freed: bool
-    bytes: int
-    waited_seconds: float
-    message: str
 
 
 def _is_refused(exc: BaseException) -> bool:
@@ -85,7 +78,7 @@ class AgentClient:
 
     async def _call(
         self,
-        method: str,
+        route: api.Route,
         endpoint: str,
         path: str,
         *,
@@ -98,7 +91,7 @@ class AgentClient:
         url = f"http://{endpoint}{path}"
         try:
             async with self.session.request(
-                method,
+                route.method,
                 url,
                 json=body,
                 headers={"Authorization": f"Bearer {self._token()}", names.HEADER_POD_UID: pod_uid},
@@ -124,27 +117,20 @@ class AgentClient:
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise AgentUnreachable(f"{endpoint}: {type(exc).__name__}: {exc}") from exc
 
-    async def free(self, endpoint: str, object_id: str, reason: str = "", *, pod_uid: str) -> FreeResult:
-        data = await self._call(
-            "POST",
-            endpoint,
-            f"/v1/objects/{object_id}/free",
-            pod_uid=pod_uid,
-            body={"reason": reason},
-            timeout=self.free_timeout,
-        )
-        return FreeResult(
-            freed=bool(data.get("freed")),
-            bytes=int(data.get("bytes", 0)),
-            waited_seconds=float(data.get("waitedSeconds", 0.0)),
-            message=str(data.get("reason", "")),
+    async def free(self, endpoint: str, object_id: str, reason: str = "", *, pod_uid: str) -> FreeAnswer:
+        route = api.FREE
+        body = FreeRequest(reason=reason or None).to_json()
+        path = route.path(id=object_id)
+        return FreeAnswer.from_json(
+            await self._call(route, endpoint, path, pod_uid=pod_uid, body=body, timeout=self.free_timeout)
         )
 
     async def inventory(self, endpoint: str, *, pod_uid: str) -> dict:
-        return await self._call("GET", endpoint, "/v1/objects", pod_uid=pod_uid)
+        return await self._call(api.INVENTORY, endpoint, api.INVENTORY.path(), pod_uid=pod_uid)
 
-    async def info(self, endpoint: str, *, pod_uid: str) -> dict:
-        return await self._call("GET", endpoint, "/v1/info", pod_uid=pod_uid)
+    async def info(self, endpoint: str, *, pod_uid: str, timeout: float | None = None) -> dict:
+        return await self._call(api.INFO, endpoint, api.INFO.path(), pod_uid=pod_uid, timeout=timeout)
 
     async def materialize(self, endpoint: str, object_id: str, spec: dict, *, pod_uid: str) -> dict:
-        return await self._call("PUT", endpoint, f"/v1/objects/{object_id}", pod_uid=pod_uid, body=spec)
+        route = api.MATERIALIZE
+        return await self._call(route, endpoint, route.path(id=object_id), pod_uid=pod_uid, body=spec)

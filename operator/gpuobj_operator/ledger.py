@@ -24,7 +24,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from gpuobj_contract import names
+from gpuobj_operator.liveness import Liveness
 from gpuobj_operator.model import ClaimInfo, Key, ObjectInfo, PodInfo, StreamInfo
+from gpuobj_operator.statuses import condition, now_str
 
 # ---------------------------------------------------------------- actions
 
@@ -110,6 +112,16 @@ class DeleteClaim(Action):
     key: Key
     uid: str
     reason: str
+    holder: str = "pod"  # what is gone: the holder pod, or only its process ("process")
+
+
+@dataclass(frozen=True)
+class Requeue(Action):
+    """Decide this again after ``seconds`` (a claim's TTL runs out then)."""
+
+    kind: str
+    key: Key
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -140,29 +152,6 @@ class Emit(Action):
     message: str
 
 
-# ---------------------------------------------------------------- conditions
-
-
-def condition(
-    existing: list[dict], ctype: str, status: str, reason: str, message: str, generation: int, now: str
-) -> dict:
-    """A condition in the API conventions' shape; the transition time moves only when status does."""
-    previous = next((c for c in existing if c.get("type") == ctype), None)
-    since = previous["lastTransitionTime"] if previous and previous.get("status") == status else now
-    return {
-        "type": ctype,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "observedGeneration": generation,
-        "lastTransitionTime": since,
-    }
-
-
-def now_str(now: dt.datetime) -> str:
-    return now.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 @dataclass
 class SourceVerdict:
     available: bool
@@ -191,6 +180,10 @@ class Ledger:
     _claims_by_pod: dict[Key, set[Key]] = field(default_factory=lambda: defaultdict(set))
     # When each object's last reference went (monotonic seconds), for the free-latency histogram.
     ref_gone_at: dict[Key, float] = field(default_factory=dict)
+    # Which agent process of each pod lives (probes), and when each record (by uid) was first seen:
+    # records of a dead process are dropped, never on a probe older than the record.
+    liveness: Liveness = field(default_factory=Liveness)
+    learned_at: dict[str, float] = field(default_factory=dict)
 
     # ------------------------------------------------------------ updates; each returns the keys to reconcile
 
@@ -201,6 +194,7 @@ class Ledger:
         if old is not None and old.uid != obj.uid:
             self._unindex_object(old)
         self.objects[obj.key] = obj
+        self.learned_at.setdefault(obj.uid, now)
         self._objects_by_pod[(obj.namespace, obj.source_pod)].add(obj.key)
         if obj.stream:
             self._items_by_stream[(obj.namespace, obj.stream[0])].add(obj.key)
@@ -216,6 +210,7 @@ class Ledger:
             return set()
         self._unindex_object(current)
         del self.objects[obj.key]
+        self.learned_at.pop(obj.uid, None)
         self.ref_gone_at.pop(obj.key, None)
         dirty = {("claim", c) for c in self._claims_by_object.get(obj.key, ())}
         if obj.stream:
@@ -234,6 +229,7 @@ class Ledger:
         if old is not None:
             self._unindex_claim(old)
         self.claims[claim.key] = claim
+        self.learned_at.setdefault(claim.uid, now)
         self._claims_by_object[claim.object_key].add(claim.key)
         for pod in self._claim_pods(claim):
             self._claims_by_pod[(claim.namespace, pod)].add(claim.key)
@@ -249,6 +245,7 @@ class Ledger:
             return set()
         self._unindex_claim(current)
         del self.claims[claim.key]
+        self.learned_at.pop(claim.uid, None)
         self._touch_refs(current.object_key, now)
         return {("object", current.object_key)}
 
@@ -362,11 +359,81 @@ class Ledger:
             )
             if lost and lost["status"] == "False":
                 return SourceVerdict(False, lost["reason"], lost["message"], pod)
+        if obj.materialized and (gone := self.source_process_gone(obj, pod)):
+            return SourceVerdict(False, *gone, pod)
         if not pod.endpoint:
             return SourceVerdict(
                 False, "AgentEndpointUnknown", f"pod {obj.source_pod} has no IP or agent host yet", pod, unknown=False
             )
         return SourceVerdict(True, "SourceAvailable", f"agent of pod {obj.source_pod} at {pod.endpoint}", pod)
+
+    # ------------------------------------------------------------ processes (incarnations)
+
+    def source_process_gone(self, obj: ObjectInfo, pod: PodInfo) -> tuple[str, str] | None:
+        """(reason, message) when the agent process holding this object's bytes is known gone."""
+        incarnation = obj.source_incarnation
+        if incarnation:
+            why = self.liveness.incarnation_dead(
+                pod.key, pod.uid, incarnation, self.learned_at.get(obj.uid, float("inf"))
+            )
+            if why:
+                reason = "SourceAgentGone" if self.liveness.agent_gone(pod.key, pod.uid) else "SourceAgentRestarted"
+                return reason, why
+            return None
+        if self.liveness.agent_gone(pod.key, pod.uid):
+            return "SourceAgentGone", f"nothing listens at the agent address of pod {pod.name}"
+        return None
+
+    def holder_process_gone(self, claim: ClaimInfo) -> str | None:
+        """Why the process this claim belongs to is known gone, or None. Needs spec.holder.incarnation."""
+        if not claim.holder_incarnation or not claim.holder_pod:
+            return None
+        pod = self.pods.get((claim.namespace, claim.holder_pod))
+        uid = pod.uid if pod is not None else claim.owner_pods.get(claim.holder_pod)
+        why = self.liveness.incarnation_dead(
+            (claim.namespace, claim.holder_pod),
+            uid,
+            claim.holder_incarnation,
+            self.learned_at.get(claim.uid, float("inf")),
+        )
+        return f"holder {why}" if why else None
+
+    def _holder_gone(self, claim: ClaimInfo) -> bool:
+        """The claim's holder (process, or pod) is gone: the claim only waits to be deleted."""
+        if self.holder_process_gone(claim):
+            return True
+        for name, uid in claim.owner_pods.items():
+            pod = self.pods.get((claim.namespace, name))
+            if pod is not None and (pod.terminated or pod.uid != uid):
+                return True
+        return False
+
+    def suspect_records(self, pod: Key) -> set[tuple[str, Key]]:
+        """Records of this pod that name an incarnation other than the live one: re-decide after a probe."""
+        state = self.liveness.agents.get(pod)
+        alive = state.incarnation if state is not None else None
+        dirty: set[tuple[str, Key]] = set()
+        for key in self._objects_by_pod.get(pod, ()):
+            obj = self.objects.get(key)
+            gone = state is not None and state.gone
+            if obj is not None and obj.materialized and (gone or obj.source_incarnation != alive):
+                dirty.add(("object", key))
+        for key in self._claims_by_pod.get(pod, ()):
+            claim = self.claims.get(key)
+            if claim is not None and claim.holder_incarnation and claim.holder_incarnation != alive:
+                dirty.add(("claim", key))
+        return dirty
+
+    def dead_holder_bytes(self) -> dict[Key, int]:
+        """(namespace, source pod) -> bytes held only by claims whose holder is gone: leaked while they wait."""
+        result: dict[Key, int] = defaultdict(int)
+        for obj in self.objects.values():
+            if not obj.deleting or not obj.finalized or not obj.materialized or obj.state == names.STATE_LOST:
+                continue
+            claims = self.live_claims(obj)
+            if claims and all(self._holder_gone(c) for c in claims):
+                result[(obj.namespace, obj.source_pod)] += obj.bytes
+        return dict(result)
 
     # ------------------------------------------------------------ decisions
 
@@ -524,6 +591,13 @@ class Ledger:
                 return [LookupPod(claim.namespace, pod_name)]
             if pod.deleted or pod.uid != pod_uid:
                 return [DeleteClaim(claim.key, claim.uid, f"holder pod {pod_name} is gone")]
+        if claim.holder_incarnation and (why := self.holder_process_gone(claim)):
+            return [DeleteClaim(claim.key, claim.uid, why, holder="process")]
+        if claim.ttl_seconds and claim.created:
+            left = (claim.created + dt.timedelta(seconds=claim.ttl_seconds) - now).total_seconds()
+            if left <= 0:
+                return [DeleteClaim(claim.key, claim.uid, f"its TTL of {claim.ttl_seconds}s expired", holder="ttl")]
+            actions.append(Requeue("claim", claim.key, left))
         if claim.holder_pod and claim.holder_pod not in claim.owner_pods:
             pod = self.pods.get((claim.namespace, claim.holder_pod))
             if pod is None:

@@ -40,6 +40,8 @@ FAST_ARGS = [
     "3",
     "--resync-interval",
     "5",
+    "--liveness-interval",
+    "0.25",
 ]
 
 
@@ -102,6 +104,7 @@ class Pods:
         self.workloads: dict[str, WorkloadProcess] = {}
         self.uids: dict[str, str] = {}
         self.credentials: dict[str, Credentials] = {}
+        self.extra_env: dict[str, dict[str, str]] = {}  # per workload, kept across container restarts
 
     def _process(self, name: str, port: int) -> WorkloadProcess:
         creds = self.credentials[name]
@@ -112,10 +115,10 @@ class Pods:
             port=port,
             token_file=creds.agent_token,
             kubeconfig=creds.kubeconfig,
-            env={"GPUOBJ_OPERATOR_SERVICEACCOUNT": operator_subject(self.namespace)},
+            env={"GPUOBJ_OPERATOR_SERVICEACCOUNT": operator_subject(self.namespace), **self.extra_env.get(name, {})},
         )
 
-    def workload(self, name: str) -> WorkloadProcess:
+    def workload(self, name: str, env: dict[str, str] | None = None) -> WorkloadProcess:
         port = free_port()
 
         async def create() -> dict:
@@ -127,6 +130,7 @@ class Pods:
         self.credentials[name] = credentials(
             self.cluster, self.namespace, WORKLOAD_SA, self.folder / name, pod=(name, self.uids[name])
         )
+        self.extra_env[name] = env or {}
         w = self._process(name, port)
         self.workloads[name] = w
         return w.start()

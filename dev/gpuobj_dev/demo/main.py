@@ -250,8 +250,11 @@ class Demo:
             self.report["objects"] += 1
             shared = producer.eval_pickle("client.share(ckpt, 'consumer-0')")
             consumer.run(f"ckpt = client.adopt(load_pickle({shared!r}))")
+            # A checkpoint outlives the write-behind window: wait until the object and the claim are
+            # recorded in the API (a short-lived object would never be written at all).
+            producer.run("client.flush()")
             producer.run("ckpt.release()")
-            self._wait_state("checkpoint", lambda o: (o.get("status") or {}).get("state") == "Releasing")
+            self._wait_state("checkpoint", lambda o: ((o or {}).get("status") or {}).get("state") == "Releasing")
             self.show_objects("checkpoint held only by consumer-0's claim")
             consumer.kill()
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from gpuobj_agent.layouts import TensorLayout
+from gpuobj_agent.layouts import TensorLayout, allocate, layout_of, torch_dtype
 from gpuobj_dev.testing.issuer import OPERATOR, TestIssuer, default_issuer
 
 LISTENING = "gpuobj agent listening on http://"
@@ -46,7 +46,7 @@ def make_tensors(layouts: Sequence[TensorLayout], seed: int, device: str | None 
         raw = torch.randint(0, 256, (layout.nbytes,), dtype=torch.uint8, generator=gen)
         if layout.dtype == "bool":
             raw &= 1
-        t = raw.view(layout.torch_dtype).reshape(layout.shape) if layout.nbytes else layout.allocate(device="cpu")
+        t = raw.view(torch_dtype(layout)).reshape(layout.shape) if layout.nbytes else allocate(layout, device="cpu")
         out.append(t.to(device or layout.device))
     return out
 
@@ -55,7 +55,7 @@ def digest(tensors: Sequence[torch.Tensor]) -> str:
     """sha256 over layouts and raw bytes."""
     h = hashlib.sha256()
     for t in tensors:
-        h.update(json.dumps(TensorLayout.of(t).to_json()).encode())
+        h.update(json.dumps(layout_of(t).to_json()).encode())
         flat = t.detach().to("cpu").contiguous().reshape(-1)
         if flat.numel():
             h.update(flat.view(torch.uint8).numpy().tobytes())
