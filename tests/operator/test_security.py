@@ -19,7 +19,7 @@ from gpuobj_contract import metric_names as m
 from gpuobj_contract import names
 from gpuobj_dev.testing import agent_http
 from gpuobj_dev.testing.cluster import ClusterHandle
-from gpuobj_dev.testing.identities import WORKLOAD_SA, install_identities, request_token
+from gpuobj_dev.testing.identities import WORKLOAD_SA, install_identities, request_token, write_token_kubeconfig
 from gpuobj_dev.testing.operator import OperatorProcess
 from gpuobj_dev.testing.pods import create_agent_pod, delete_pod
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, ApiError, KubeClient
@@ -96,8 +96,9 @@ def test_a_workload_cannot_record_or_claim_for_another_pod(
     token, _ = request_token(gpuobj_cluster, namespace, WORKLOAD_SA)
     unbound = Path(pods.credentials["attacker"].kubeconfig).with_name("unbound-token")
     unbound.write_text(token)
-    config = from_kubeconfig(pods.credentials["attacker"].kubeconfig)
-    config.token_file = unbound
+    config = from_kubeconfig(
+        write_token_kubeconfig(gpuobj_cluster, unbound, unbound.with_name("unbound.kubeconfig"), namespace)
+    )
 
     async def create_unbound():
         async with KubeClient(config) as k:
