@@ -39,6 +39,7 @@ from gpuobj_agent.layouts import TensorLayout
 from gpuobj_agent.nixl_transport import NixlAgent
 from gpuobj_agent.runtime import AgentRuntime
 from gpuobj_dev.testing.agent_workload import AgentProcess
+from gpuobj_dev.testing.issuer import OPERATOR
 
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "B": 1}
 
@@ -144,17 +145,17 @@ def copier(nbytes: int) -> Callable[[], object]:
 
 
 def fetch_parallel(
-    rt: AgentRuntime, src: AgentProcess, oid: str, nbytes: int, seconds: float, inflight: int = 4
+    rt: AgentRuntime, src: AgentProcess, oid: str, nbytes: int, seconds: float, token: str, inflight: int = 4
 ) -> float:
     async def run() -> float:
         async def worker(deadline: float) -> int:
             n = 0
             while time.perf_counter() < deadline or n == 0:
-                await rt.afetch(src.endpoint, oid, token=src.token)
+                await rt.afetch(src.endpoint, oid, token=token)
                 n += 1
             return n
 
-        await asyncio.gather(*(rt.afetch(src.endpoint, oid, token=src.token) for _ in range(inflight)))
+        await asyncio.gather(*(rt.afetch(src.endpoint, oid, token=token) for _ in range(inflight)))
         start = time.perf_counter()
         counts = await asyncio.gather(*(worker(start + seconds) for _ in range(inflight)))
         return sum(counts) * nbytes / (time.perf_counter() - start) / 1e9
@@ -210,10 +211,23 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="gpuobj-bench-") as tmp:
         token_file = Path(tmp) / "token"
-        src = AgentProcess("bench-src", workload=True, workdir=tmp).start()
-        token_file.write_text(src.token)
+        # Two processes of one user on one node, compared with a raw NIXL READ between the same two: a
+        # single-tenant setting, so UCX's cma (unbounded by registrations, off by default) is allowed
+        # explicitly, as the raw READ uses it too (docs/security.md).
+        src = AgentProcess("bench-src", workload=True, workdir=tmp, env={"GPUOBJ_ALLOW_CMA": "true"}).start()
+        # The reader pod's own token (same namespace as the source), from the issuer the agents trust.
+        reader_token = src.issuer.token("default/default", pod=("bench-dst", "bench-dst-uid"))
+        token_file.write_text(reader_token)
         rt = AgentRuntime(
-            AgentConfig(pod_name="bench-dst", host="127.0.0.1", port=0, token_file=str(token_file))
+            AgentConfig(
+                pod_name="bench-dst",
+                host="127.0.0.1",
+                port=0,
+                token_file=str(token_file),
+                issuer_url=src.issuer.url,
+                operator_service_accounts=(OPERATOR,),
+                allow_cma=True,
+            )
         ).start()
         rows = []
         try:
@@ -241,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                         {
                             "copy": copier(nbytes),
                             "raw": raw,
-                            "fetch": lambda o=oid: rt.fetch(src.endpoint, o, token=src.token),
+                            "fetch": lambda o=oid: rt.fetch(src.endpoint, o, token=reader_token),
                             "grant": lambda o=oid, g=grant: rt.fetch_granted_direct(src.endpoint, o, g),
                         },
                         args.seconds,
@@ -250,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 finally:
                     raw.close()
-                par = fetch_parallel(rt, src, oid, nbytes, args.seconds)
+                par = fetch_parallel(rt, src, oid, nbytes, args.seconds, reader_token)
                 gbs = {name: nbytes / value / 1e9 for name, value in per.items()}
                 rows.append((nbytes, gbs["copy"], gbs["raw"], gbs["fetch"], per["fetch"] * 1e3, par, gbs["grant"], per))
                 src.request("POST", f"/v1/objects/{oid}/free", {})

@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import json
 import os
-import secrets
 import subprocess
 import sys
 import tempfile
@@ -356,6 +355,7 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
     from gpuobj_dev.cluster import DevCluster
     from gpuobj_dev.testing.api_requests import delta, request_counts, writes
     from gpuobj_dev.testing.cluster import ClusterHandle
+    from gpuobj_dev.testing.identities import WORKLOAD_SA, Identities
     from gpuobj_dev.testing.operator import OperatorProcess
     from gpuobj_dev.testing.pods import create_agent_pod
     from gpuobj_dev.testing.workload import WorkloadProcess, free_port
@@ -369,31 +369,34 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
     try:
         handle.apply_crds()
         handle.kubectl("create", "namespace", NAMESPACE)
-        token = state / "token"
-        token.write_text(secrets.token_hex(16))
-        # The harness runs the operator and workloads with the admin kubeconfig today (the per-
-        # ServiceAccount harness is being converted); the bench uses what the tests use.
+        # The operator and the workloads run as their ServiceAccounts with the chart's roles, as the tests do.
+        identities = Identities(handle, NAMESPACE, state / "identities")
+        op = identities.operator()
         operator = (
-            OperatorProcess(handle.kubeconfig, token, lease_namespace=NAMESPACE, extra_args=["--namespace", NAMESPACE])
+            OperatorProcess(
+                op.kubeconfig, op.agent_token, lease_namespace=NAMESPACE, extra_args=["--namespace", NAMESPACE]
+            )
             .start()
             .wait_ready()
         )
 
         async def pod(name: str, port: int) -> str:
             async with handle.client() as kube:
-                return (await create_agent_pod(kube, NAMESPACE, name, port=port))["metadata"]["uid"]
+                created = await create_agent_pod(kube, NAMESPACE, name, port=port, service_account=WORKLOAD_SA)
+                return created["metadata"]["uid"]
 
         def start(name: str) -> tuple[WorkloadProcess, str]:
             port = free_port()
             uid = asyncio.run(pod(name, port))
+            creds = identities.workload(name, uid)
             w = WorkloadProcess(
                 pod_name=name,
                 namespace=NAMESPACE,
                 pod_uid=uid,
                 port=port,
-                token_file=token,
-                kubeconfig=handle.kubeconfig,
-                env={"GPUOBJ_WRITE_WINDOW": str(args.window)},
+                token_file=creds.agent_token,
+                kubeconfig=creds.kubeconfig,
+                env={"GPUOBJ_WRITE_WINDOW": str(args.window), **identities.workload_env},
             ).start(ready_timeout=180)
             workloads.append(w)
             return w, uid

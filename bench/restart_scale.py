@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
-import secrets
 import sys
 import tempfile
 import time
@@ -26,6 +25,7 @@ sys.path.insert(0, str(REPO))
 
 from gpuobj_dev.cluster import DevCluster  # noqa: E402
 from gpuobj_dev.testing.cluster import ClusterHandle  # noqa: E402
+from gpuobj_dev.testing.identities import WORKLOAD_SA, Identities  # noqa: E402
 from gpuobj_dev.testing.operator import OperatorProcess  # noqa: E402
 from gpuobj_dev.testing.pods import create_agent_pod  # noqa: E402
 from gpuobj_dev.testing.workload import WorkloadProcess, free_port  # noqa: E402
@@ -73,21 +73,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         handle.apply_crds()
         handle.kubectl("create", "namespace", NAMESPACE)
-        token = state / "token"
-        token.write_text(secrets.token_hex(16))
+        # The operator and the workload run as their ServiceAccounts with the chart's roles, as in a cluster.
+        identities = Identities(handle, NAMESPACE, state / "identities")
+        op = identities.operator()
         port = free_port()
 
         async def pod() -> str:
             async with handle.client() as kube:
-                return (await create_agent_pod(kube, NAMESPACE, "src", port=port))["metadata"]["uid"]
+                created = await create_agent_pod(kube, NAMESPACE, "src", port=port, service_account=WORKLOAD_SA)
+                return created["metadata"]["uid"]
 
+        uid = asyncio.run(pod())
+        creds = identities.workload("src", uid)
         src = WorkloadProcess(
             pod_name="src",
             namespace=NAMESPACE,
-            pod_uid=asyncio.run(pod()),
+            pod_uid=uid,
             port=port,
-            token_file=token,
-            kubeconfig=handle.kubeconfig,
+            token_file=creds.agent_token,
+            kubeconfig=creds.kubeconfig,
+            env=identities.workload_env,
         ).start()
         procs.append(src)
         src.run(PUT_MANY)
@@ -96,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# put {n} objects (agent put + GPUObject create) in {time.perf_counter() - t0:.1f}s", flush=True)
 
         extra = ["--namespace", NAMESPACE, "--lease-seconds", "5", "--audit-interval", "5", "--status-delay", "0"]
-        first = OperatorProcess(handle.kubeconfig, token, identity="op-1", lease_namespace=NAMESPACE, extra_args=extra)
+        first = OperatorProcess(
+            op.kubeconfig, op.agent_token, identity="op-1", lease_namespace=NAMESPACE, extra_args=extra
+        )
         procs.append(first)
         t0 = time.perf_counter()
         first.start().wait_ready(timeout=600)
@@ -105,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# first operator wrote {n} statuses in {time.perf_counter() - t0:.1f}s", flush=True)
         first.kill()
 
-        second = OperatorProcess(handle.kubeconfig, token, identity="op-2", lease_namespace=NAMESPACE, extra_args=extra)
+        second = OperatorProcess(
+            op.kubeconfig, op.agent_token, identity="op-2", lease_namespace=NAMESPACE, extra_args=extra
+        )
         procs.append(second)
         t0 = time.perf_counter()
         second.start()

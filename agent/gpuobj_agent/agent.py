@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -22,7 +23,7 @@ from aiohttp import web
 
 from gpuobj_agent.auth import IssuerKeys, ServiceAccountAuth
 from gpuobj_agent.buffers import LandingPool
-from gpuobj_agent.config import AgentConfig
+from gpuobj_agent.config import ALLOW_CMA_ENV, AgentConfig
 from gpuobj_agent.fencing import Fencer
 from gpuobj_agent.fetch import Fetcher
 from gpuobj_agent.metrics import AgentMetrics
@@ -31,6 +32,18 @@ from gpuobj_agent.server import build_app
 from gpuobj_agent.store import ObjectStore, _iso
 
 log = logging.getLogger(__name__)
+
+
+def restrict_transports(config: AgentConfig) -> None:
+    """Keep UCX off transports that a registration cannot bound (cma), unless allowed or chosen explicitly.
+
+    Set before this process's first NIXL agent: UCX reads UCX_TLS when a worker is created. The source
+    not offering cma is enough: a reader cannot use a transport the source's address does not list.
+    """
+    if config.allow_cma or "UCX_TLS" in os.environ:
+        return
+    os.environ["UCX_TLS"] = "^cma"
+    log.info("UCX transports: all but cma (set %s=true to allow it)", ALLOW_CMA_ENV)
 
 
 def build_auth(config: AgentConfig) -> ServiceAccountAuth:
@@ -56,6 +69,7 @@ class Agent:
         extra_routes: Callable[[web.Application], None] | None = None,
     ) -> None:
         self.config = config
+        restrict_transports(config)
         self.incarnation = secrets.token_hex(8)
         self.started_wall = time.time()
         self.tokens = tokens or build_auth(config)

@@ -20,6 +20,8 @@ HOST_ENV = "GPUOBJ_AGENT_HOST"
 PORT_ENV = "GPUOBJ_AGENT_PORT"
 ISSUER_URL_ENV = "GPUOBJ_ISSUER_URL"
 OPERATOR_SA_ENV = "GPUOBJ_OPERATOR_SERVICEACCOUNT"
+ALLOW_CMA_ENV = "GPUOBJ_ALLOW_CMA"
+MAX_STORE_BYTES_ENV = "GPUOBJ_MAX_STORE_BYTES"
 # The operator's ServiceAccount in deploy/ (the chart sets $GPUOBJ_OPERATOR_SERVICEACCOUNT in its NOTES).
 DEFAULT_OPERATOR_SA = "gpuobj-system/gpuobj-operator"
 
@@ -68,6 +70,14 @@ class AgentConfig:
     shutdown_grace: float = 5.0
     # Largest object (bytes) a declared PUT may allocate.
     max_object_bytes: int = 1 << 40
+    # The pod's byte quota: puts and materializations that would make the store hold more are refused
+    # (0: none). A declared object cannot make a pod allocate beyond it.
+    max_store_bytes: int = field(default_factory=lambda: int(os.environ.get(MAX_STORE_BYTES_ENV, "0") or 0))
+
+    # UCX's cma transport (process_vm_readv) reads any address of the source the reader names: no
+    # registration bounds it. Off unless allowed (only where every process that can reach this one by
+    # cma is trusted with all of its memory: one pod, or a single-tenant node). See docs/security.md.
+    allow_cma: bool = field(default_factory=lambda: os.environ.get(ALLOW_CMA_ENV, "") == "true")
 
     def lease_for(self, nbytes: int) -> float:
         return self.read_lease + nbytes / self.lease_bytes_per_second

@@ -54,6 +54,12 @@ class InsufficientMemory(AgentError):
     status = 507
 
 
+class QuotaExceeded(AgentError):
+    """The pod's store would hold more than its byte quota (HTTP 507); nothing was stored."""
+
+    status = 507
+
+
 class FreeTimeout(AgentError):
     """In-flight reads did not finish within the free wait bound; nothing was freed (HTTP 503)."""
 

@@ -55,6 +55,22 @@ def region_of(tensor: torch.Tensor) -> RegionKey | None:
     return RegionKey("DRAM", 0, storage.data_ptr(), storage.nbytes())
 
 
+def exact_regions(spans: Sequence[Span | None]) -> list[RegionKey]:
+    """The regions that expose exactly these bytes: overlapping or touching spans merged, nothing more.
+
+    Why not the storage: a 4 KiB object that views a 1 MiB tensor would hand its readers the keys to
+    the whole MiB (another user's data, on transports that bound reads by the registration).
+    """
+    merged: list[list] = []
+    for s in sorted((s for s in spans if s is not None), key=lambda s: (s.mem, s.dev, s.addr)):
+        last = merged[-1] if merged else None
+        if last is not None and (last[0], last[1]) == (s.mem, s.dev) and s.addr <= last[2] + last[3]:
+            last[3] = max(last[3], s.addr + s.nbytes - last[2])
+        else:
+            merged.append([s.mem, s.dev, s.addr, s.nbytes])
+    return [RegionKey(*m) for m in merged]
+
+
 @dataclass(frozen=True)
 class Span:
     """The bytes of one tensor as a NIXL transfer descriptor: (memory type, device, address, length)."""

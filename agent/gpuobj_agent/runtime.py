@@ -172,9 +172,17 @@ class AgentRuntime:
         return await asyncio.wrap_future(self._submit(coro))
 
     async def _put(
-        self, object_id: str, tensors: Sequence[torch.Tensor], stream: str | None, stream_index: int | None, copy: bool
+        self,
+        object_id: str,
+        tensors: Sequence[torch.Tensor],
+        stream: str | None,
+        stream_index: int | None,
+        copy: bool,
+        shared_with: Sequence[str] = (),
     ) -> ObjectInfo:
-        obj = await self.agent.store.put(object_id, list(tensors), stream=stream, stream_index=stream_index, copy=copy)
+        obj = await self.agent.store.put(
+            object_id, list(tensors), stream=stream, stream_index=stream_index, copy=copy, shared_with=shared_with
+        )
         return ObjectInfo.of(obj)
 
     async def _publish(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
@@ -205,11 +213,13 @@ class AgentRuntime:
         stream_index: int | None = None,
         copy: bool = False,
         timeout: float | None = 60.0,
+        shared_with: Sequence[str] = (),
     ) -> ObjectInfo:
         """Hold tensors under `object_id` (zero-copy; `copy=True` stores a contiguous copy of
-        non-contiguous tensors instead of refusing them) and register them for remote reads."""
+        non-contiguous tensors instead of refusing them) and register them for remote reads.
+        Pods of this namespace may read it, and those of the namespaces in `shared_with`."""
         seq = [tensors] if isinstance(tensors, torch.Tensor) else tensors
-        return self._call(self._put(object_id, seq, stream, stream_index, copy), timeout)
+        return self._call(self._put(object_id, seq, stream, stream_index, copy, shared_with), timeout)
 
     async def aput(
         self,
@@ -219,9 +229,10 @@ class AgentRuntime:
         stream: str | None = None,
         stream_index: int | None = None,
         copy: bool = False,
+        shared_with: Sequence[str] = (),
     ) -> ObjectInfo:
         seq = [tensors] if isinstance(tensors, torch.Tensor) else tensors
-        return await self._acall(self._put(object_id, seq, stream, stream_index, copy))
+        return await self._acall(self._put(object_id, seq, stream, stream_index, copy, shared_with))
 
     def publish(self, key: str, tensors: Sequence[torch.Tensor] | torch.Tensor) -> None:
         """Offer tensors under `key` for a GPUObject declared with `kubectl apply` to bind."""

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from gpuobj_agent.config import AgentConfig
+from gpuobj_agent.config import MAX_STORE_BYTES_ENV, AgentConfig
 from gpuobj_agent.errors import (
     BadRequest,
     Conflict,
@@ -38,12 +38,13 @@ from gpuobj_agent.errors import (
     KeyNotPublished,
     NotReady,
     ObjectNotFound,
+    QuotaExceeded,
     TransportError,
 )
 from gpuobj_agent.generations import GenerationTable
 from gpuobj_agent.layouts import TensorLayout, allocate, layout_of
 from gpuobj_agent.metrics import AgentMetrics, Levels
-from gpuobj_agent.nixl_transport import NixlAgent, Span, region_of
+from gpuobj_agent.nixl_transport import NixlAgent, Span, exact_regions
 from gpuobj_agent.quarantine import Quarantine
 from gpuobj_agent.registrations import RegionKey, RegionReused, RegistrationLedger
 from gpuobj_agent.tickets import ReadTickets
@@ -246,11 +247,15 @@ class ObjectStore:
         if object_id in self.objects:
             raise Conflict(f"object {object_id} already exists")
         tensors = self._prepare(tensors, copy)
+        self._check_quota(sum(t.nbytes for t in tensors))
         if any(t.device.type == "cuda" for t in tensors):
             await self._control(_sync_cuda, tensors)  # off the loop: a device sync may take a while
         layouts = [layout_of(t) for t in tensors]
         spans = [Span.of(t) for t in tensors]
-        keys = list(dict.fromkeys(k for k in (region_of(t) for t in tensors) if k is not None))
+        keys = exact_regions(spans)  # the object's own bytes, never the rest of the storage it views
+        if len({k.mem for k in keys}) > 1:
+            # NIXL's partial metadata cannot describe both; its full metadata names every region of the agent.
+            raise BadRequest("an object is in host memory or on GPUs, not both: put the CPU and CUDA tensors apart")
         for attempt in range(2):
             async with self.nixl_lock:
                 if object_id in self.objects:
@@ -298,6 +303,15 @@ class ObjectStore:
             await self.fencer.rotate_now()
         raise AssertionError("unreachable")
 
+    def _check_quota(self, nbytes: int) -> None:
+        limit = self.config.max_store_bytes
+        held = sum(o.nbytes for o in self.objects.values())
+        if limit and held + nbytes > limit:
+            raise QuotaExceeded(
+                f"storing {nbytes} bytes would exceed this pod's quota of {limit} bytes ({held} held; "
+                f"${MAX_STORE_BYTES_ENV})"
+            )
+
     def publish(self, key: str, tensors: Any) -> None:
         """Offer tensors under a key, for a declared GPUObject (`PUT` with `key`) to bind."""
         check_id(key, "key")
@@ -336,6 +350,7 @@ class ObjectStore:
                 )
         else:
             total = sum(layout.nbytes for layout in layouts)
+            self._check_quota(total)  # before allocating: a declared object must not make us allocate past it
             if total > self.config.max_object_bytes:
                 raise BadRequest(f"object of {total} bytes exceeds the agent's limit of {self.config.max_object_bytes}")
             for layout in layouts:

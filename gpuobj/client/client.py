@@ -300,10 +300,17 @@ class Client:
             raise err from exc
 
     def put(
-        self, tensors: Any, *, name: str | None = None, labels: dict[str, str] | None = None, copy: bool = False
+        self,
+        tensors: Any,
+        *,
+        name: str | None = None,
+        labels: dict[str, str] | None = None,
+        copy: bool = False,
+        shared_with: Sequence[str] = (),
     ) -> ObjectRef:
-        """Store tensors (zero-copy unless `copy`) as a GPUObject whose source is this pod."""
-        return self._call(self.aput_inner(tensors, name=name, labels=labels, copy=copy), "put")
+        """Store tensors (zero-copy unless `copy`) as a GPUObject whose source is this pod. Pods of this
+        namespace may read it, and pods of the namespaces in `shared_with` (docs/security.md)."""
+        return self._call(self.aput_inner(tensors, name=name, labels=labels, copy=copy, shared_with=shared_with), "put")
 
     def fetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
         if (
@@ -392,9 +399,17 @@ class Client:
     # ------------------------------------------------------------ async facade (asyncio workloads)
 
     async def aput(
-        self, tensors: Any, *, name: str | None = None, labels: dict[str, str] | None = None, copy: bool = False
+        self,
+        tensors: Any,
+        *,
+        name: str | None = None,
+        labels: dict[str, str] | None = None,
+        copy: bool = False,
+        shared_with: Sequence[str] = (),
     ) -> ObjectRef:
-        return await self._acall(self.aput_inner(tensors, name=name, labels=labels, copy=copy), "put")
+        return await self._acall(
+            self.aput_inner(tensors, name=name, labels=labels, copy=copy, shared_with=shared_with), "put"
+        )
 
     async def afetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
         return await self._acall(self.afetch_inner(ref, device=device), f"fetch {_describe(ref)}")
@@ -430,6 +445,7 @@ class Client:
         *,
         labels: dict[str, str] | None = None,
         stream: tuple[str, int, str] | None = None,
+        shared_with: Sequence[str] = (),
     ) -> dict:
         meta: dict = {
             "name": name,
@@ -442,6 +458,8 @@ class Client:
             "objectId": object_id,
             "tensors": [t.to_json() for t in layouts],
         }
+        if shared_with:
+            spec["sharedWith"] = list(shared_with)
         if stream is not None:
             stream_name, index, stream_uid = stream
             meta["labels"][names.LABEL_STREAM] = stream_name
@@ -464,15 +482,18 @@ class Client:
         labels: dict[str, str] | None = None,
         stream: tuple[str, int, str] | None = None,
         copy: bool = False,
+        shared_with: Sequence[str] = (),
     ) -> ObjectRef:
         tensors = _tensor_list(tensors, what="put")
         object_id = f"o-{_short_id()}"
         name = name or f"{self.pod_name}-{object_id[2:12]}"
         layouts = tuple(layout_of(t) for t in tensors)
-        stream_kw = {"stream": stream[0], "stream_index": stream[1]} if stream else {}
+        stream_kw: dict[str, Any] = {"stream": stream[0], "stream_index": stream[1]} if stream else {}
+        if shared_with:
+            stream_kw["shared_with"] = tuple(shared_with)
         await self.agent.aput(object_id, tensors, copy=copy, **stream_kw)
         if self._wb is not None and stream is None:
-            body = self.object_body(name, object_id, layouts, labels=labels)
+            body = self.object_body(name, object_id, layouts, labels=labels, shared_with=shared_with)
             try:
                 record = await self._wb.create_object(self.namespace, name, body, object_id)
             except BaseException:
@@ -483,7 +504,9 @@ class Client:
             return self._track(ObjectRef(address, "owner", self._enqueue_release, record=record))
         try:
             created = await self._kube.create(
-                GPUOBJECTS, self.object_body(name, object_id, layouts, labels=labels, stream=stream), self.namespace
+                GPUOBJECTS,
+                self.object_body(name, object_id, layouts, labels=labels, stream=stream, shared_with=shared_with),
+                self.namespace,
             )
         except BaseException:
             # The write failed: nothing in the API references these bytes, so free them now (seed 003).

@@ -44,6 +44,7 @@ class ObjectInfo:
     spec_incarnation: str | None = None  # spec.source.incarnation: the agent process that put it
     spec_object_id: str | None = None
     key_name: str | None = None
+    shared_with: tuple[str, ...] = ()  # spec.sharedWith: other namespaces whose pods may read it
     stream: tuple[str, int] | None = None
     deleting: bool = False
     finalized: bool = False  # carries gpuobj.io/free
@@ -192,6 +193,7 @@ def parse_object(obj: dict) -> ObjectInfo:
         tensors=list(spec.get("tensors") or []),
         spec_object_id=spec.get("objectId"),
         key_name=spec.get("key"),
+        shared_with=tuple(spec.get("sharedWith") or ()),
         stream=(stream["name"], int(stream["index"])) if stream else None,
         deleting=bool(meta.get("deletionTimestamp")),
         finalized=names.FINALIZER_FREE in (meta.get("finalizers") or []),

@@ -258,6 +258,8 @@ class Reconciler:
         spec: dict = {"tensors": [{k: t[k] for k in ("shape", "dtype", "device") if k in t} for t in obj.tensors]}
         if obj.key_name:
             spec["key"] = obj.key_name
+        if obj.shared_with:
+            spec["sharedWith"] = list(obj.shared_with)
         if obj.stream:
             spec["stream"], spec["streamIndex"] = obj.stream
         pod = self.ledger.pods[(obj.namespace, obj.source_pod)]

@@ -30,6 +30,13 @@ def main() -> None:
                 out = {"ok": True, "agent": name.decode() if isinstance(name, bytes) else name}
             elif cmd["op"] == "read":
                 out = read(agent, cmd)
+            elif cmd["op"] == "read_span":  # any address the reader likes, as an attacker would ask
+                cmd["descriptors"] = base64.b64encode(
+                    agent.get_serialized_descs(
+                        agent.get_xfer_descs([(cmd["addr"], cmd["nbytes"], cmd["dev"])], cmd["mem"])
+                    )
+                ).decode()
+                out = read(agent, cmd)
             else:
                 out = {"ok": False, "error": f"unknown op {cmd['op']}"}
         except Exception as exc:

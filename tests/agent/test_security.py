@@ -15,10 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpuobj_agent.layouts import TensorLayout
 from gpuobj_dev.testing.agent_workload import AgentProcess
 from gpuobj_dev.testing.issuer import OPERATOR, TestIssuer
 
-from .conftest import ISSUER, OPERATOR_TOKEN, TOKEN
+from .conftest import ISSUER, OPERATOR_TOKEN, TOKEN, settle
+from .test_stale_reader import RawReader
 
 pytestmark = pytest.mark.nixl
 
@@ -185,3 +187,56 @@ def test_fuzzed_materialize_bodies_are_refused_with_a_4xx(agent, body):
     status, answer = agent.request("PUT", "/v1/objects/fuzzed", raw=json.dumps(body).encode())
     assert 400 <= status < 500, (body, status, answer)
     unchanged(agent)
+
+
+# ------------------------------------------------------------------ a reader reaches only its own bytes
+
+
+@pytest.mark.parametrize("transport", ["default", "tcp"])
+def test_a_reader_asking_for_bytes_just_outside_its_span_gets_nothing(make_process, transport):
+    """Probe: a 4 KiB object that views a 1 MiB tensor; its reader asks for the bytes next to it.
+
+    The agent registers exactly the object's bytes, and keeps UCX off cma (which no registration bounds),
+    so on every transport gpuobj enables the read outside the span fails and the source is unharmed."""
+    env = {"tcp": {"UCX_TLS": "tcp"}, "default": {"GPUOBJ_ALLOW_CMA": "true"}}[transport]
+    src = make_process("src", workload=True, env=env)
+    layout = TensorLayout((4096,), "uint8", "cpu")
+    body = {"id": "view", "tensors": [layout.to_json()], "seed": 7, "within": {"bytes": 1 << 20, "offset": 64 << 10}}
+    status, put = src.request("POST", "/v1/test/put", body)
+    assert status == 200, put
+    assert src.stats()["registeredRegions"] == 1
+    reader = RawReader(f"outside-{transport}", {}, "thread")  # the reader allows every transport, cma included
+    try:
+        status, ticket = src.request("POST", "/v1/objects/view/reads", {})
+        assert status == 200, ticket
+        assert reader.call(op="load", metadata=ticket["agentMetadata"])["ok"]
+        ((mem, dev, addr, nbytes),) = ticket["spans"]
+        agent = ticket["nixlAgent"]
+        inside = reader.call(op="read_span", agent=agent, mem=mem, dev=dev, addr=addr, nbytes=nbytes)
+        assert inside["ok"], inside
+        for where, start, length in (("after", addr + nbytes, 4096), ("before", addr - 4096, 4096),
+                                     ("overlapping the end", addr + nbytes - 16, 32),
+                                     ("the whole tensor", addr - (64 << 10), 1 << 20)):  # fmt: skip
+            got = reader.call(op="read_span", agent=agent, mem=mem, dev=dev, addr=start, nbytes=length)
+            assert not got["ok"], (where, got)
+        assert src.alive() and src.request("GET", "/readyz", auth=False)[0] == 200
+        assert src.request("DELETE", f"/v1/reads/{ticket['readId']}")[1]["ended"] in (True, False)
+        assert src.request("POST", "/v1/objects/view/free", {"waitFence": True})[1]["freed"]
+    finally:
+        reader.close()
+    settle(src.stats)
+
+
+def test_a_pod_byte_quota_refuses_puts_and_declared_objects_beyond_it(make_process):
+    """Probe: a declared object naming a pod made its agent allocate 256 MiB. With a quota, nothing is allocated."""
+    src = make_process("quota", workload=True, env={"GPUOBJ_MAX_STORE_BYTES": str(64 << 10)})
+    small = TensorLayout((32 << 10,), "uint8", "cpu").to_json()
+    assert src.request("PUT", "/v1/objects/fits", {"tensors": [small]})[0] == 200
+    big = {"shape": [1 << 26], "dtype": "float32", "device": "cpu"}
+    status, answer = src.request("PUT", "/v1/objects/big", {"tensors": [big]})
+    assert status == 507 and "quota" in answer["error"], answer
+    status, answer = src.request("POST", "/v1/test/put", {"id": "put", "tensors": [small, small]})
+    assert status >= 400 and "quota" in str(answer), answer
+    assert [o["id"] for o in src.request("GET", "/v1/objects")[1]["objects"]] == ["fits"]
+    assert src.request("POST", "/v1/objects/fits/free", {})[1]["freed"]
+    settle(src.stats)

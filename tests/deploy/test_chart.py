@@ -39,7 +39,7 @@ RULES_FILE = REPO / "deploy" / "prometheus" / "gpuobj-rules.yaml"
 DASHBOARD_FILE = REPO / "deploy" / "grafana" / "gpuobj-leaks-dashboard.json"
 DEFAULT_KINDS = {
     "ServiceAccount", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding", "Role",
-    "RoleBinding", "Service", "Deployment",
+    "RoleBinding", "Service", "Deployment", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
 }  # fmt: skip
 OPTIONAL_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap"}
 

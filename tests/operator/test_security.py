@@ -19,7 +19,7 @@ from gpuobj_contract import metric_names as m
 from gpuobj_contract import names
 from gpuobj_dev.testing import agent_http
 from gpuobj_dev.testing.cluster import ClusterHandle
-from gpuobj_dev.testing.identities import WORKLOAD_SA, request_token
+from gpuobj_dev.testing.identities import WORKLOAD_SA, install_identities, request_token, write_token_kubeconfig
 from gpuobj_dev.testing.operator import OperatorProcess
 from gpuobj_dev.testing.pods import create_agent_pod, delete_pod
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, ApiError, KubeClient
@@ -96,8 +96,9 @@ def test_a_workload_cannot_record_or_claim_for_another_pod(
     token, _ = request_token(gpuobj_cluster, namespace, WORKLOAD_SA)
     unbound = Path(pods.credentials["attacker"].kubeconfig).with_name("unbound-token")
     unbound.write_text(token)
-    config = from_kubeconfig(pods.credentials["attacker"].kubeconfig)
-    config.token_file = unbound
+    config = from_kubeconfig(
+        write_token_kubeconfig(gpuobj_cluster, unbound, unbound.with_name("unbound.kubeconfig"), namespace)
+    )
 
     async def create_unbound():
         async with KubeClient(config) as k:
@@ -183,4 +184,49 @@ def test_a_pod_pointing_at_another_pods_agent_gets_nothing_reclaimed(
     pods.workloads["victim"].run("ref.release()")
     wait_object(gpuobj_cluster, namespace, "secret", lambda o: o is None)
     agent_http.assert_holds_nothing(pods.endpoint("victim"), pods.token_file)
+    assert_api_empty(gpuobj_cluster, namespace)
+
+
+def test_an_object_shared_with_a_namespace_is_readable_there_and_nowhere_else(
+    gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, tmp_path: Path
+) -> None:
+    """Namespaces are the boundary; spec.sharedWith opens one object to the pods of the namespaces it names."""
+    src = pods.workload("src")
+    src.run("ref = client.put([torch.arange(256, dtype=torch.float32)], name='open', shared_with=[SHARED])"
+            .replace("SHARED", repr(f"{namespace}-b")))  # fmt: skip
+    src.run("closed = client.put([torch.ones(256)], name='closed')")
+    obj = wait_object(
+        gpuobj_cluster, namespace, "open", lambda o: o and (o.get("status") or {}).get("state") == "Ready"
+    )
+    assert obj["spec"]["sharedWith"] == [f"{namespace}-b"]
+    addresses = {name: src.eval_pickle(f"{name}.address") for name in ("ref", "closed")}
+    others: list[Pods] = []
+    try:
+        for suffix in ("b", "c"):
+            other = f"{namespace}-{suffix}"
+            gpuobj_cluster.kubectl("create", "namespace", other)
+            install_identities(gpuobj_cluster, other)
+            others.append(Pods(gpuobj_cluster, other, pods.token_file, tmp_path / other))
+            reader = others[-1].workload("reader")
+            outcome = {}
+            for name, address in addresses.items():
+                reader.run(
+                    f"try:\n    got = client.fetch(load_pickle({address!r}))\n    outcome = float(got[0].sum())\n"
+                    f"except Exception as exc:\n    outcome = repr(exc)"
+                )
+                outcome[name] = reader.eval("outcome")
+            if suffix == "b":
+                assert outcome["ref"] == float(sum(range(256))), outcome  # granted
+                assert "403" in outcome["closed"] or "may not read" in outcome["closed"], outcome
+            else:
+                assert all("403" in o or "may not read" in o for o in outcome.values()), outcome
+    finally:
+        for p in others:
+            p.close()
+        for suffix in ("b", "c"):
+            gpuobj_cluster.kubectl("delete", "namespace", f"{namespace}-{suffix}", "--wait=false", check=False)
+    src.run("ref.release(); closed.release()")
+    wait_object(gpuobj_cluster, namespace, "open", lambda o: o is None)
+    wait_object(gpuobj_cluster, namespace, "closed", lambda o: o is None)
+    agent_http.assert_holds_nothing(pods.endpoint("src"), pods.token_file)
     assert_api_empty(gpuobj_cluster, namespace)

@@ -291,6 +291,11 @@ def workload_routes(app: Any) -> None:
         data = await body(request)
         layouts = parse_layouts(data.get("tensors"))
         tensors = make_tensors(layouts, int(data.get("seed", 0)))
+        if data.get("within"):  # the object is a view into a larger, seeded uint8 tensor (at "offset")
+            within = data["within"]
+            [base] = make_tensors([TensorLayout((int(within["bytes"]),), "uint8", "cpu")], int(data.get("seed", 0)))
+            start = int(within["offset"])
+            tensors = [base[start : start + layouts[0].nbytes]]
         obj = await agent.store.put(
             data["id"], tensors, stream=data.get("stream"), stream_index=data.get("streamIndex")
         )

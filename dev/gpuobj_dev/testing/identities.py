@@ -206,3 +206,31 @@ def credentials(
 def operator_subject(namespace: str) -> str:
     """The value agents are configured with ($GPUOBJ_OPERATOR_SERVICEACCOUNT)."""
     return f"{namespace}/{OPERATOR_SA}"
+
+
+class Identities:
+    """Everyone in one namespace as the chart would have them: the operator and each workload pod."""
+
+    def __init__(self, cluster: ClusterHandle, namespace: str, folder: Path) -> None:
+        self.cluster, self.namespace, self.folder = cluster, namespace, Path(folder)
+        install_identities(cluster, namespace)
+        self._started: list[Credentials] = []
+
+    def operator(self) -> Credentials:
+        creds = credentials(self.cluster, self.namespace, OPERATOR_SA, self.folder / "operator")
+        self._started.append(creds)
+        return creds
+
+    def workload(self, pod_name: str, pod_uid: str) -> Credentials:
+        """Tokens bound to the pod (create it with service_account=WORKLOAD_SA first)."""
+        creds = credentials(self.cluster, self.namespace, WORKLOAD_SA, self.folder / pod_name, pod=(pod_name, pod_uid))
+        self._started.append(creds)
+        return creds
+
+    @property
+    def workload_env(self) -> dict[str, str]:
+        return {"GPUOBJ_OPERATOR_SERVICEACCOUNT": operator_subject(self.namespace)}
+
+    def stop(self) -> None:
+        for creds in self._started:
+            creds.stop()
