@@ -78,7 +78,8 @@ class Reconciler:
         self.metrics = metrics
         self.events = events
         self.ledger = Ledger()
-        self.queue = WorkQueue()
+        # Retries back off to 5 s at most: after an API outage every item is tried again within seconds.
+        self.queue = WorkQueue(max_delay=5.0)
         self.workers = workers
         self.leak_settle_seconds = leak_settle_seconds
         self.leak_grace_seconds = leak_grace_seconds

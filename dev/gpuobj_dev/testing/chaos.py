@@ -19,18 +19,17 @@ import os
 import random
 import signal
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from gpuobj_dev.testing import agent_http
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.operator import OperatorProcess
-from gpuobj_dev.testing.pods import create_agent_pod, delete_pod
 from gpuobj_dev.testing.waits import wait_until
-from gpuobj_dev.testing.workload import WorkloadProcess, free_port
+from gpuobj_dev.testing.workload import WorkloadProcess
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS
 
 FAULTS = (
@@ -87,7 +86,7 @@ class OperatorSupervisor:
 
     def __init__(self, make: Callable[[], OperatorProcess]) -> None:
         self._make = make
-        self.current = make().start()
+        self.current = make()
         self.restarts = 0
         self.exits: list[int] = []
 
@@ -95,7 +94,7 @@ class OperatorSupervisor:
         proc = self.current.proc
         if proc is not None and proc.poll() is not None:
             self.exits.append(proc.returncode)
-            self.current = self._make().start()
+            self.current = self._make()
             self.restarts += 1
         return self.current
 
@@ -124,18 +123,37 @@ class OperatorSupervisor:
         return self.current.stop()
 
 
+class PodSet(Protocol):
+    """Workload pods as the tests make them (tests/operator/conftest.py ``Pods``): a Pod object plus a
+    process running the client library, as the identity the tests run workloads as."""
+
+    workloads: dict[str, WorkloadProcess]
+
+    def workload(self, name: str) -> WorkloadProcess: ...
+
+    def restart_process(self, name: str) -> WorkloadProcess: ...
+
+    def delete_pod(self, name: str, kill_process: bool = True) -> None: ...
+
+
 class Chaos:
     def __init__(
-        self, cluster: ClusterHandle, namespace: str, token_file: Path, make_operator: Callable[[], OperatorProcess]
+        self,
+        cluster: ClusterHandle,
+        namespace: str,
+        token_file: Path,
+        pods: PodSet,
+        make_operator: Callable[[], OperatorProcess],
     ) -> None:
+        """``token_file``: what the operator presents to agents (to read inventories as it does);
+        ``make_operator``: starts an operator process (the supervisor calls it again when one exits)."""
         self.cluster = cluster
         self.namespace = namespace
         self.token_file = token_file
+        self.pods = pods
         self.operator = OperatorSupervisor(make_operator)
-        self.processes: list[WorkloadProcess] = []
         self.pool: dict[str, WorkloadProcess | None] = {}  # role ("src", "rd") -> its current process
         self._pods_made = 0
-        self.log: list[str] = []
 
     # ------------------------------------------------------------ pods
 
@@ -146,60 +164,23 @@ class Chaos:
 
         return asyncio.run(go())
 
-    def _process(self, name: str, uid: str, port: int) -> WorkloadProcess:
-        w = WorkloadProcess(
-            pod_name=name,
-            namespace=self.namespace,
-            pod_uid=uid,
-            port=port,
-            token_file=self.token_file,
-            kubeconfig=self.cluster.kubeconfig,
-        )
-        self.processes.append(w)
-        return w
-
     def start_pods(self, *names: str) -> dict[str, WorkloadProcess]:
-        """Create the Pod objects, then start their processes side by side (each imports torch and NIXL)."""
-        made = {n: self._process(n, self._pod(n, port := free_port())["metadata"]["uid"], port) for n in names}
-        errors: list[BaseException] = []
-
-        def start(w: WorkloadProcess) -> None:
-            try:
-                w.start()
-            except BaseException as exc:  # reported below, in the calling thread
-                errors.append(exc)
-
-        threads = [threading.Thread(target=start, args=(w,)) for w in made.values()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return made
-
-    def _pod(self, name: str, port: int) -> dict:
-        return self._kube(lambda k: create_agent_pod(k, self.namespace, name, port=port))
+        return {n: self.pods.workload(n) for n in names}
 
     def restart(self, w: WorkloadProcess) -> WorkloadProcess:
         """A container restart: the process dies, the pod (uid, address) stays, a new process starts."""
-        w.kill()
-        new = self._process(w.env["GPUOBJ_POD_NAME"], w.env["GPUOBJ_POD_UID"], int(w.env["GPUOBJ_AGENT_PORT"]))
-        return new.start()
+        return self.pods.restart_process(w.env["GPUOBJ_POD_NAME"])
 
     def delete_pod(self, w: WorkloadProcess) -> None:
-        w.kill()
-        self._kube(lambda k: delete_pod(k, self.namespace, w.env["GPUOBJ_POD_NAME"]))
+        self.pods.delete_pod(w.env["GPUOBJ_POD_NAME"])
 
-    def close(self) -> None:
-        for w in self.processes:
+    def resume_all(self) -> None:
+        """SIGCONT whatever a failed run left stopped, so the fixtures can stop it."""
+        for w in self.pods.workloads.values():
             if w.proc and w.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(w.proc.pid, signal.SIGCONT)
-                try:
-                    w.stop(timeout=30)
-                except AssertionError:
-                    w.kill()
+        self.operator.signal(signal.SIGCONT)
 
     # ------------------------------------------------------------ API views
 
