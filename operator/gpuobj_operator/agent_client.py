@@ -111,7 +111,8 @@ class AgentClient:
     async def inventory(self, endpoint: str) -> dict:
         return await self._call("GET", endpoint, "/v1/objects")
 
-    async def info(self, endpoint: str, timeout: float | None = None) -> dict:
+    async def info(self, endpoint: str, *, pod_uid: str = "", timeout: float | None = None) -> dict:
+        """``pod_uid``: the pod whose agent the caller expects (the answer's podUID is compared with it)."""
         return await self._call("GET", endpoint, "/v1/info", timeout=timeout)
 
     async def materialize(self, endpoint: str, object_id: str, spec: dict) -> dict:

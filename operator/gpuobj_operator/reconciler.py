@@ -537,7 +537,10 @@ class Reconciler:
 
         async def probe(pod: PodInfo) -> None:
             async with limit:
-                await self.probe_agent(pod)
+                try:
+                    await self.probe_agent(pod)
+                except Exception:  # a bug must show, and must not stop the other probes
+                    log.exception("probe of the agent of %s/%s failed", *pod.key)
 
         while True:
             now = time.monotonic()
@@ -550,10 +553,17 @@ class Reconciler:
         started = time.monotonic()
         liveness = self.ledger.liveness
         try:
-            info = await self.agents.info(pod.endpoint, timeout=self.probe_timeout)  # type: ignore[arg-type]
+            info = await self.agents.info(pod.endpoint, pod_uid=pod.uid, timeout=self.probe_timeout)  # type: ignore[arg-type]
         except AgentGone:
             changed = liveness.observe_refused(pod.key, pod.uid, started)
-        except (AgentUnreachable, AgentError) as exc:
+        except AgentError as exc:
+            if exc.status == 409:  # the agent there serves another pod: ours is not listening
+                changed = liveness.observe_refused(pod.key, pod.uid, started)
+            else:  # refused our token, or failed: proves nothing about the process
+                liveness.observe_unreachable(pod.key, pod.uid)
+                log.debug("probe of %s/%s proved nothing: %s", *pod.key, exc)
+                changed = False
+        except AgentUnreachable as exc:
             liveness.observe_unreachable(pod.key, pod.uid)
             log.debug("probe of %s/%s proved nothing: %s", *pod.key, exc)
             changed = False
