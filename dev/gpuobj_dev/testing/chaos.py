@@ -51,6 +51,7 @@ POINTS = (1, 2, 3)
 OUTAGE_SECONDS = 4.0  # API server or etcd down, a process stopped: longer than the operator's 3 s lease
 ELEMENTS = 1 << 16  # 256 KiB per object
 CLEAN_TIMEOUT = 90.0
+OUTAGES = ("apiserver-restart", "etcd-restart", "releases-in-outage")
 
 
 @dataclass
@@ -78,7 +79,9 @@ class Schedule:
         kinds = list(FAULTS)
         rng.shuffle(kinds)
         kinds = kinds[:lifecycles] + [rng.choice(FAULTS) for _ in range(lifecycles - len(kinds))]
-        return cls(seed, lifecycles, [(k, rng.choice(POINTS)) for k in kinds])
+        plan = [(k, rng.choice(POINTS)) for k in kinds]
+        # Releases in an outage need something to release after the fault: the reader's claim exists.
+        return cls(seed, lifecycles, [(k, max(p, 2) if k == "releases-in-outage" else p) for k, p in plan])
 
 
 class OperatorSupervisor:
@@ -245,9 +248,20 @@ class Chaos:
 
         for n in range(1, point + 1):
             step(n)
-        last = self._inject(fault, src, reader, alive, out) or last
-        for n in range(point + 1, 5):
-            step(n)
+        if fault == "releases-in-outage":
+            # The API server is down while the owner and the reader release: the client's write-behind
+            # queue must keep retrying until the deletes land (durable releases).
+            self.cluster.cluster.stop_component("kube-apiserver")
+            started = time.monotonic()
+            for n in range(point + 1, 5):
+                step(n)
+            time.sleep(max(0.0, OUTAGE_SECONDS - (time.monotonic() - started)))
+            self.cluster.cluster.start_component("kube-apiserver")
+            last = time.monotonic()
+        else:
+            last = self._inject(fault, src, reader, alive, out) or last
+            for n in range(point + 1, 5):
+                step(n)
         if fault in ("operator-kill",):
             self.operator.ensure()  # the Deployment brings it back after the steps ran without it
 
@@ -331,7 +345,7 @@ class Chaos:
 
     def _check_counters(self, fault: str, point: int, before, pid_before) -> str:
         """The operator's counters moved by exactly what this lifecycle's fault implies."""
-        if before is None or self.operator.pid != pid_before or fault in ("apiserver-restart", "etcd-restart"):
+        if before is None or self.operator.pid != pid_before or fault in OUTAGES:
             return "skipped (operator restarted)" if self.operator.pid != pid_before else "skipped"
         source_fault = fault in ("source-kill", "source-restart", "source-pod-delete")
         held_by_reader = point >= 2
