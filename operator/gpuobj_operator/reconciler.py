@@ -13,7 +13,7 @@ import contextlib
 import datetime as dt
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from gpuobj_contract import names
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, ApiError, Conflict, Invalid, KubeClient, NotFound
@@ -72,6 +72,7 @@ class Reconciler:
         liveness_interval: float = 1.0,
         liveness_max_backoff: float = 8.0,
         probe_timeout: float = 2.0,
+        may_act: Callable[[], bool] | None = None,
     ) -> None:
         self.kube = kube
         self.agents = agents
@@ -97,6 +98,7 @@ class Reconciler:
         self.liveness_max_backoff = liveness_max_backoff
         self.probe_timeout = probe_timeout
         self._probe_due: dict[Key, float] = {}
+        self.may_act = may_act or (lambda: True)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -208,6 +210,11 @@ class Reconciler:
             finally:
                 self.queue.done(item)
 
+    def _must_lead(self) -> None:
+        """Before anything that frees or deletes: a paused leader may have been replaced meanwhile."""
+        if not self.may_act():
+            raise RetryLater("the leader lease is not confirmed since a pause; not acting on what we knew")
+
     async def execute(self, action: Action) -> None:
         handler = getattr(self, f"_do_{type(action).__name__}")
         await handler(action)
@@ -296,6 +303,7 @@ class Reconciler:
     async def _do_Free(self, a: Free) -> None:
         if a.uid in self._freed:
             return  # freed already; the DELETED event is on its way
+        self._must_lead()
         # 1. Quorum re-check of the claims: the caches of two watches may disagree for a moment.
         fresh = await self.kube.list(CLAIMS, a.key[0], field_selector=f"spec.objectName={a.key[1]}")
         now = time.monotonic()
@@ -345,6 +353,7 @@ class Reconciler:
     async def _do_ReleaseWithoutFree(self, a: ReleaseWithoutFree) -> None:
         if a.uid in self._freed:
             return  # released already; the DELETED event is on its way
+        self._must_lead()
         removed = await self._remove_finalizer(GPUOBJECTS, a.key, a.uid)
         self._freed.add(a.uid)
         self.ledger.ref_gone_at.pop(a.key, None)
@@ -392,6 +401,7 @@ class Reconciler:
         raise RetryLater(f"could not remove the finalizer of {key[0]}/{key[1]}")
 
     async def _do_DeleteObject(self, a: DeleteObject) -> None:
+        self._must_lead()
         try:
             response = await self.kube.delete(GPUOBJECTS, a.key[1], a.key[0], uid=a.uid)
         except (NotFound, Conflict):
@@ -459,6 +469,7 @@ class Reconciler:
         self.on_claim("MODIFIED", patched)
 
     async def _do_DeleteClaim(self, a: DeleteClaim) -> None:
+        self._must_lead()
         try:
             await self.kube.delete(CLAIMS, a.key[1], a.key[0], uid=a.uid)
         except (NotFound, Conflict):
@@ -659,6 +670,7 @@ class Reconciler:
             o = parse_object(raw)
             described.add(o.object_id)
         total = 0
+        self._must_lead()
         for item in items:
             if item.object_id in described:
                 continue
