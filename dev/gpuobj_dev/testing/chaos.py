@@ -115,6 +115,7 @@ class OperatorSupervisor:
             return {
                 "freed": op.metric("gpuobj_frees_total", {"result": "freed"}),
                 "source-lost": op.metric("gpuobj_frees_total", {"result": "source-lost"}),
+                "agent-gone": op.metric("gpuobj_frees_total", {"result": "agent-gone"}),
                 "lost": op.metric("gpuobj_lost_objects_total"),
                 "dropped": op.metric("gpuobj_claims_dropped_total", {"holder": "process"}),
             }
@@ -348,23 +349,35 @@ class Chaos:
         if before is None or self.operator.pid != pid_before or fault in OUTAGES:
             return "skipped (operator restarted)" if self.operator.pid != pid_before else "skipped"
         source_fault = fault in ("source-kill", "source-restart", "source-pod-delete")
-        held_by_reader = point >= 2
-        expected = {
-            "freed": 0 if source_fault else 1,
-            "source-lost": 1 if source_fault else 0,
-            "lost": 1 if source_fault else 0,
-            "dropped": 1 if fault in ("reader-kill", "reader-restart") and held_by_reader else 0,
-        }
-        if fault == "reader-pod-delete":
-            del expected["dropped"]  # the garbage collector and the operator's probe race for that claim
+        dropped = 1 if fault in ("reader-kill", "reader-restart") and point >= 2 else 0
+        if source_fault:
+            # One end without a free: Lost then released (the probes were first), or a free that found
+            # nothing listening (the last release was first). Never a free that freed, never both.
+            expected = "freed 0, source-lost + agent-gone 1, lost = source-lost, dropped 0"
+
+            def holds(d: dict[str, float]) -> bool:
+                return (
+                    d["freed"] == 0
+                    and d["source-lost"] + d["agent-gone"] == 1
+                    and d["lost"] == d["source-lost"]
+                    and d["dropped"] == 0
+                )
+        else:
+            expected = f"freed 1, source-lost 0, agent-gone 0, lost 0, dropped {dropped}"
+
+            def holds(d: dict[str, float]) -> bool:
+                exact = d["freed"] == 1 and d["source-lost"] == d["agent-gone"] == d["lost"] == 0
+                # For a deleted reader pod, the garbage collector and the probes race for the claim.
+                return exact and (fault == "reader-pod-delete" or d["dropped"] == dropped)
+
         seen: dict[str, float] = {}
 
         def exact() -> bool:
             after = self.operator.counters()
             if after is None:
                 return False
-            seen.update({k: after[k] - before[k] for k in expected})
-            return all(seen[k] == v for k, v in expected.items())
+            seen.update({k: after[k] - before[k] for k in after})
+            return holds(seen)
 
         try:
             wait_until(exact, "operator counters", timeout=15, interval=0.1)
