@@ -52,6 +52,7 @@ OUTAGE_SECONDS = 4.0  # API server or etcd down, a process stopped: longer than 
 ELEMENTS = 1 << 16  # 256 KiB per object
 CLEAN_TIMEOUT = 90.0
 OUTAGES = ("apiserver-restart", "etcd-restart", "releases-in-outage")
+FLUSH = "if hasattr(client, 'flush'): client.flush()"  # wait until queued API writes landed
 
 
 @dataclass
@@ -231,11 +232,13 @@ class Chaos:
             if n == 1 or (n in (2, 4) and alive["reader"]) or (n == 3 and alive["src"]):
                 last = time.monotonic()  # a step that runs (and may drop a reference) starts the clock again
             if n == 1:
-                src.run(f"ref = client.put([torch.full(({ELEMENTS},), {float(index)})], name={name!r})")
+                # Recorded before anything else happens (a write-behind client may hold the create back:
+                # an object never recorded never involves the operator, and this suite tests the operator).
+                src.run(f"ref = client.put([torch.full(({ELEMENTS},), {float(index)})], name={name!r})\n{FLUSH}")
                 address.append(src.eval_pickle("ref.address"))
                 object_id.append(src.eval("ref.address.object_id"))
             elif n == 2 and alive["reader"]:
-                reader.run(f"h = client.borrow(load_pickle({address[0]!r}))")
+                reader.run(f"h = client.borrow(load_pickle({address[0]!r}))\n{FLUSH}")
                 reader.run(
                     "try:\n"
                     f"    fetched = 'ok' if bool((client.fetch(h)[0] == {float(index)}).all()) else 'WRONG BYTES'\n"
