@@ -8,6 +8,8 @@ For each size it measures, all between the same two processes:
   READ re-posted back to back (the best NIXL can do, no control plane at all);
 - fetch: `AgentRuntime.fetch` (read ticket over HTTP, metadata load, a landing buffer,
   READ, ticket end): one at a time, and 4 in flight;
+- grant: `AgentRuntime.fetch_granted_direct` with a cached read grant (what a hand-off
+  carries): no request, no thread hop, a landing buffer, READ;
 torch copy, raw NIXL and fetch are measured in alternating bursts (median of --rounds),
 so noise from other work on the machine hits all three alike.
 - Ray RDT (actor to actor, tensor_transport="nixl"), if `ray` is importable.
@@ -169,13 +171,13 @@ def ray_rdt(sizes: list[int], seconds: float) -> dict[int, float] | str:
     try:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
 
-        @ray.remote
+        @ray.remote(enable_tensor_transport=True)
         class Producer:
             @ray.method(tensor_transport="nixl")
             def make(self, nbytes: int) -> torch.Tensor:
                 return torch.ones(nbytes, dtype=torch.uint8)  # a new object per cycle, as a workload would
 
-        @ray.remote
+        @ray.remote(enable_tensor_transport=True)  # gives it the _ray_system group, where Ray runs the receive
         class Consumer:
             def size(self, t: torch.Tensor) -> int:
                 return t.numel()
@@ -223,22 +225,34 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 assert status == 200, body
                 raw = RawNixl(src, oid, nbytes)
+                grant: dict = {}
+
+                def regrant(o: str = oid, grant: dict = grant, raw: RawNixl = raw) -> None:
+                    # A read grant as a reader caches it (from the read endpoint; a hand-off embeds one).
+                    raw.refresh()
+                    status, body = src.request("POST", f"/v1/objects/{o}/reads", {"reader": "bench-grant"})
+                    assert status == 200, body
+                    src.request("DELETE", f"/v1/reads/{body.pop('readId')}")
+                    grant.clear()
+                    grant.update(body)
+
                 try:
                     per = interleaved(
                         {
                             "copy": copier(nbytes),
                             "raw": raw,
                             "fetch": lambda o=oid: rt.fetch(src.endpoint, o, token=src.token),
+                            "grant": lambda o=oid, g=grant: rt.fetch_granted_direct(src.endpoint, o, g),
                         },
                         args.seconds,
                         args.rounds,
-                        prepare=raw.refresh,
+                        prepare=regrant,
                     )
                 finally:
                     raw.close()
                 par = fetch_parallel(rt, src, oid, nbytes, args.seconds)
                 gbs = {name: nbytes / value / 1e9 for name, value in per.items()}
-                rows.append((nbytes, gbs["copy"], gbs["raw"], gbs["fetch"], per["fetch"] * 1e3, par))
+                rows.append((nbytes, gbs["copy"], gbs["raw"], gbs["fetch"], per["fetch"] * 1e3, par, gbs["grant"], per))
                 src.request("POST", f"/v1/objects/{oid}/free", {})
                 print(f"  measured {label(nbytes)}", file=sys.stderr, flush=True)
         finally:
@@ -252,17 +266,19 @@ def main(argv: list[str] | None = None) -> int:
         f"UCX_TLS={os.environ.get('UCX_TLS', 'default')}"
     )
     head = (
-        f"{'size':>8} | {'torch copy':>10} | {'raw NIXL':>8} | {'raw/copy':>8} | {'fetch':>7} | "
-        f"{'fetch ms':>8} | {'fetch/raw':>9} | {'fetch x4':>8} | {'x4/raw':>6}"
+        f"{'size':>8} | {'torch copy':>10} | {'raw NIXL':>8} | {'raw us':>7} | {'raw/copy':>8} | {'fetch':>7} | "
+        f"{'fetch ms':>8} | {'fetch/raw':>9} | {'fetch x4':>8} | {'x4/raw':>6} | {'grant':>7} | {'grant us':>8} | "
+        f"{'grant/raw':>9}"
     )
     if isinstance(ray, dict):
         head += f" | {'Ray RDT':>7} | {'fetch/Ray':>9}"
     print(head)
     print("-" * len(head))
-    for nbytes, copy, raw, seq, ms, par in rows:
+    for nbytes, copy, raw, seq, ms, par, grant, per in rows:
         line = (
-            f"{label(nbytes):>8} | {copy:10.2f} | {raw:8.2f} | {raw / copy:8.0%} | {seq:7.2f} | {ms:8.3f} | "
-            f"{seq / raw:9.0%} | {par:8.2f} | {par / raw:6.0%}"
+            f"{label(nbytes):>8} | {copy:10.2f} | {raw:8.2f} | {per['raw'] * 1e6:7.1f} | {raw / copy:8.0%} | "
+            f"{seq:7.2f} | {ms:8.3f} | {seq / raw:9.0%} | {par:8.2f} | {par / raw:6.0%} | {grant:7.2f} | "
+            f"{per['grant'] * 1e6:8.1f} | {grant / raw:9.0%}"
         )
         if isinstance(ray, dict):
             line += f" | {ray[nbytes]:7.2f} | {seq / ray[nbytes]:9.1f}x"

@@ -1,20 +1,40 @@
-"""Lifecycle benchmark: put -> claim -> fetch -> release -> free cycles per second, against the real API server.
+"""Lifecycle benchmark, gpuobj against Ray RDT, each side measured alone, one table with ratios.
 
-Prints a table with gpuobj's rate and, side by side, Ray RDT's (tensor_transport="nixl",
-actor to actor: produce, consume, free) on the same machine, with the ratio; plus the
-operator's free latency p50/p99 and a stream's items per second.
+The same cycle on both sides: put -> hand to the reader -> fetch with bytes verified ->
+every reference released -> the source's memory freed, *observed in the source* (its
+free function returned there). Each side runs in its own subprocess, one after the other:
+Ray's cluster is shut down before gpuobj's control plane starts, and the reverse.
 
-    make bench                      # installs ray==2.60.0 into .venv if missing, runs both benchmarks
-    .venv/bin/python bench/lifecycle.py --cycles 200 --sizes 4096 1048576 67108864
+- Ray 2.60 RDT: a producer actor returns the tensor with ``tensor_transport="nixl"``, a
+  consumer actor (``enable_tensor_transport=True``, which gives it Ray's ``_ray_system``
+  concurrency group where the receive runs) checks it, the driver drops the ref. The free is
+  observed in the producer: ``RDTStore.pop_object`` returning.
+- gpuobj: the source workload process puts, shares to the reader process (a SharedRef
+  over a local socket), the reader adopts, fetches, checks and releases, the source
+  releases; the free is observed in the source: the agent's ``ObjectStore.free`` returning.
+
+Columns: cycles/s with a persistent tensor (the same one every cycle) and a fresh tensor
+(a new allocation per cycle), free latency (release call -> freed in the source, exact
+timestamps, not histogram buckets) p50/p99 per size, API writes per cycle (kube-apiserver's
+own ``apiserver_request_total`` delta, every client included), and 4 producer/reader pairs at
+once (aggregate cycles/s). Then a burst: 2 clients x N short-lived 4 KiB objects (32 in
+flight each): frees/s, free p99 and API requests per object. The machine's load is printed.
+
+    make bench
+    .venv/bin/python bench/lifecycle.py --cycles 200 --sizes 4096 1048576 67108864 [--no-ray]
 
 A benchmark, not a test: numbers vary with the machine; nothing here asserts a timing.
+Bytes are verified by sampling (first, last and every 4096th element) on both sides alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import secrets
+import subprocess
 import sys
 import tempfile
 import threading
@@ -24,31 +44,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gpuobj_dev.cluster import DevCluster  # noqa: E402
-from gpuobj_dev.testing.cluster import ClusterHandle  # noqa: E402
-from gpuobj_dev.testing.operator import OperatorProcess  # noqa: E402
-from gpuobj_dev.testing.pods import create_agent_pod  # noqa: E402
-from gpuobj_dev.testing.workload import WorkloadProcess, free_port  # noqa: E402
-
 NAMESPACE = "gpuobj-bench"
-
-CYCLE_SRC = """
-def cycle_put(i, n):
-    global ref
-    ref = client.put([payload], name=f"b-{i}")
-    return dump_pickle(client.share(ref, "reader"))
-
-def cycle_release():
-    ref.release()
-"""
-
-CYCLE_READER = """
-def cycle_read(shared):
-    h = client.adopt(load_pickle(shared))
-    got = client.fetch(h)
-    h.release()
-    return got[0].numel()
-"""
+SMALL = 1 << 20
 
 
 def human(n: int) -> str:
@@ -58,95 +55,324 @@ def human(n: int) -> str:
     return f"{n} B"
 
 
-def gpuobj_cycles(
-    cluster: ClusterHandle, src: WorkloadProcess, reader: WorkloadProcess, size: int, cycles: int
-) -> float:
-    """Sequential cycles; the rate counts a cycle only once its GPUObject is freed and gone."""
-    src.run(f"payload = torch.ones({size // 4}, dtype=torch.float32)")
-    src.run(CYCLE_SRC)
-    reader.run(CYCLE_READER)
-    started = time.perf_counter()
-    spent = [0.0, 0.0, 0.0]
-    for i in range(cycles):
-        t0 = time.perf_counter()
-        shared = src.eval(f"cycle_put({i}, {size})")
-        t1 = time.perf_counter()
-        reader.eval(f"cycle_read({shared!r})")
-        t2 = time.perf_counter()
-        src.run("cycle_release()")
-        t3 = time.perf_counter()
-        for j, dt in enumerate((t1 - t0, t2 - t1, t3 - t2)):
-            spent[j] += dt
-    ms = [x / cycles * 1000 for x in spent]
-    print(f"#   per cycle: put+share {ms[0]:.1f} ms, adopt+fetch+release {ms[1]:.1f} ms, owner release {ms[2]:.1f} ms")
-    cluster.kubectl("wait", "--for=delete", "gpuobject", "--all", "-n", NAMESPACE, "--timeout=120s")
-    return cycles / (time.perf_counter() - started)
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
 
 
-# DESIGN.md's reference figures for Ray 2.60 RDT on this kind of machine (cycles/s by object size),
-# shown when Ray cannot be measured side by side here.
-RAY_REFERENCE = {4096: "35-90", 1 << 20: "35-90", 64 << 20: "7-11"}
-_RAY_FAILED: list[str] = []
+def load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def ray_cycles(size: int, cycles: int) -> float | str:
-    """Ray RDT: a producer actor returns a tensor over NIXL, a consumer actor reads it, the ref goes out of scope.
+def cycles_for(size: int, base: int) -> int:
+    return base if size <= SMALL else max(20, base // 5)
 
-    Returns cycles/s, or why it could not be measured.
-    """
-    if _RAY_FAILED:
-        return _RAY_FAILED[0]
+
+# ----------------------------------------------------------------------------------- Ray side
+
+
+class FreeLog:
+    """Free timestamps written by the source process, read by the driver: shared memory, one writer."""
+
+    def __init__(self, name: str | None = None, capacity: int = 1 << 16) -> None:
+        from multiprocessing import shared_memory
+
+        self.capacity = capacity
+        size = 8 * (capacity + 1)
+        self.shm = shared_memory.SharedMemory(name=name, create=name is None, size=size)
+        self.name = self.shm.name
+        self.owner = name is None
+
+    def record(self, ts: float) -> None:
+        import struct
+
+        n = struct.unpack_from("q", self.shm.buf, 0)[0]
+        struct.pack_into("d", self.shm.buf, 8 * (1 + n % self.capacity), ts)
+        struct.pack_into("q", self.shm.buf, 0, n + 1)
+
+    def count(self) -> int:
+        import struct
+
+        return struct.unpack_from("q", self.shm.buf, 0)[0]
+
+    def at(self, i: int) -> float:
+        import struct
+
+        return struct.unpack_from("d", self.shm.buf, 8 * (1 + i % self.capacity))[0]
+
+    def wait(self, n: int, timeout: float = 60.0) -> float:
+        """Spin (yielding) until `n` frees happened; the n-th one's timestamp."""
+        deadline = time.monotonic() + timeout
+        while self.count() < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"free {n} not observed in the source within {timeout:g}s")
+            time.sleep(0.00002)
+        return self.at(n - 1)
+
+    def close(self) -> None:
+        self.shm.close()
+        if self.owner:
+            self.shm.unlink()
+
+
+def ray_side(args: argparse.Namespace) -> dict:
+    import logging
+
+    import ray
+    import torch
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    logs: list[FreeLog] = []
     try:
-        import ray
-        import torch
-    except ImportError:
-        return "ray not installed"
-    try:
-        if not ray.is_initialized():
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
 
-        @ray.remote
+        @ray.remote(num_cpus=0, enable_tensor_transport=True)
         class Producer:
+            def __init__(self, log_name: str) -> None:
+                from ray.experimental.rdt import rdt_store
+
+                self.log = FreeLog(log_name)
+                self.persistent: dict[int, torch.Tensor] = {}
+                original, log = rdt_store.RDTStore.pop_object, self.log
+
+                def pop_object(store, obj_id):  # the source frees: observe it here
+                    out = original(store, obj_id)
+                    log.record(time.monotonic())
+                    return out
+
+                rdt_store.RDTStore.pop_object = pop_object
+
             @ray.method(tensor_transport="nixl")
-            def produce(self, n: int):
-                return torch.ones(n, dtype=torch.float32)
+            def produce(self, n: int, fresh: bool, value: float):
+                if fresh:
+                    return torch.full((n // 4,), value, dtype=torch.float32)
+                t = self.persistent.get(n)
+                if t is None:
+                    t = self.persistent[n] = torch.full((n // 4,), value, dtype=torch.float32)
+                return t
 
-        @ray.remote
+        @ray.remote(num_cpus=0, enable_tensor_transport=True)
         class Consumer:
-            def consume(self, t) -> int:
-                return t.numel()
+            def consume(self, t, value: float) -> bool:
+                return bool((t[::4096] == value).all() and t[0] == value and t[-1] == value)
 
-        producer, consumer = Producer.remote(), Consumer.remote()
-        ray.get(consumer.consume.remote(producer.produce.remote(16)), timeout=90)  # warm up the transport
-        started = time.perf_counter()
-        for _ in range(cycles):
-            ref = producer.produce.remote(size // 4)
-            ray.get(consumer.consume.remote(ref), timeout=60)
-            del ref
-        return cycles / (time.perf_counter() - started)
-    except Exception as exc:  # report, do not hide: the table says why the column is empty
-        _RAY_FAILED.append(f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+        def pair():
+            log = FreeLog()
+            logs.append(log)
+            return Producer.remote(log.name), Consumer.remote(), log
+
+        def run_cycles(p, c, log: FreeLog, size: int, cycles: int, fresh: bool) -> tuple[float, list[float]]:
+            lat = []
+            started = time.perf_counter()
+            for i in range(cycles):
+                value = float(i % 97) if fresh else 7.0
+                ref = p.produce.remote(size, fresh, value)
+                assert ray.get(c.consume.remote(ref, value), timeout=120), "bytes differ"
+                base = log.count()
+                t_release = time.monotonic()
+                del ref
+                lat.append(log.wait(base + 1) - t_release)
+            return cycles / (time.perf_counter() - started), lat
+
+        out: dict = {"load_start": load(), "rows": {}, "pairs": {}}
+        p, c, log = pair()
+        run_cycles(p, c, log, 4096, 5, False)  # warm up the transport
+        for size in args.sizes:
+            n = cycles_for(size, args.cycles)
+            row = {}
+            for policy in ("persistent", "fresh"):
+                rate, lat = run_cycles(p, c, log, size, n, policy == "fresh")
+                row[policy] = {"rate": rate, "free_ms": [x * 1000 for x in lat]}
+                print(f"# ray {human(size)} {policy}: {rate:.1f} cycles/s", file=sys.stderr, flush=True)
+            out["rows"][str(size)] = row
+        if args.pairs > 1:
+            pairs = [pair() for _ in range(args.pairs - 1)] + [(p, c, log)]
+            for pp, cc, ll in pairs:
+                run_cycles(pp, cc, ll, 4096, 3, False)
+            for size in [s for s in args.sizes if s <= SMALL]:
+                n = cycles_for(size, args.cycles) // 2
+                rates: list[float] = []
+
+                def one(pp, cc, ll, size=size, n=n, rates=rates) -> None:
+                    rates.append(run_cycles(pp, cc, ll, size, n, False)[0])
+
+                threads = [threading.Thread(target=one, args=x) for x in pairs]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                out["pairs"][str(size)] = sum(rates)
+        out["load_end"] = load()
+        return out
+    finally:
         ray.shutdown()
-        return _RAY_FAILED[0]
+        for log in logs:
+            log.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cycles", type=int, default=100)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 1 << 20, 64 << 20])
-    parser.add_argument("--no-ray", action="store_true", help="skip the Ray RDT baseline")
-    args = parser.parse_args(argv)
+# -------------------------------------------------------------------------------- gpuobj side
+
+SOURCE_SETUP = r"""
+import asyncio, base64, pickle, socket, threading, time
+_store = client.agent.agent.store
+_orig_free = _store.free
+freed = {}
+_freed_cv = threading.Condition()
+
+async def _observed_free(object_id, **kw):
+    out = await _orig_free(object_id, **kw)
+    if out.get("freed"):
+        with _freed_cv:
+            freed[object_id] = time.monotonic()
+            _freed_cv.notify_all()
+    return out
+
+_store.free = _observed_free  # the source frees: observe it here
+
+def wait_freed(object_id, timeout=120):
+    with _freed_cv:
+        if not _freed_cv.wait_for(lambda: object_id in freed, timeout):
+            raise TimeoutError(f"{object_id} not freed in the source within {timeout}s")
+        return freed.pop(object_id)
+
+def connect(port):
+    global _conn, _f
+    _conn = socket.create_connection(("127.0.0.1", port))
+    _conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    _f = _conn.makefile("rwb")
+
+_persistent = {}
+
+STEPS = ("alloc", "put", "share", "reader", "release", "free wait")
+
+def cycles(size, n, fresh, reader, reader_uid):
+    lat = []
+    steps = [0.0] * len(STEPS)
+    rsteps = [0.0, 0.0, 0.0]
+    started = time.perf_counter()
+    for i in range(n):
+        t0 = time.monotonic()
+        value = float(i % 97) if fresh else 7.0
+        if fresh:
+            t = torch.full((size // 4,), value, dtype=torch.float32)
+        else:
+            t = _persistent.get(size)
+            if t is None:
+                t = _persistent[size] = torch.full((size // 4,), value, dtype=torch.float32)
+        t1 = time.monotonic()
+        ref = client.put([t])
+        t2 = time.monotonic()
+        shared = client.share(ref, reader, pod_uid=reader_uid)
+        t3 = time.monotonic()
+        _f.write(base64.b64encode(pickle.dumps((shared, value))) + b"\n")
+        _f.flush()
+        answer = _f.readline().split()
+        assert answer[0] == b"1", "bytes differ"
+        for j, x in enumerate(answer[1:]):
+            rsteps[j] += float(x)
+        oid = ref.address.object_id
+        t_release = time.monotonic()
+        client.release(ref)
+        t5 = time.monotonic()
+        t6 = wait_freed(oid)
+        lat.append(t6 - t_release)
+        for j, dt in enumerate((t1 - t0, t2 - t1, t3 - t2, t_release - t3, t5 - t_release, t6 - t5)):
+            steps[j] += dt
+        del ref, t
+    rate = n / (time.perf_counter() - started)
+    breakdown = {k: v / n * 1000 for k, v in zip(STEPS, steps)}
+    breakdown.update({f"reader {k}": v / n * 1000 for k, v in zip(("adopt+fetch", "verify", "release"), rsteps)})
+    return rate, lat, breakdown
+
+def recorded_frees(n, reader, reader_uid):
+    # Objects that outlive the write window: recorded, and freed by the operator.
+    lat = []
+    for i in range(n):
+        ref = client.put([torch.full((1024,), 7.0)])
+        shared = client.share(ref, reader, pod_uid=reader_uid)
+        _f.write(base64.b64encode(pickle.dumps((shared, 7.0))) + b"\n")
+        _f.flush()
+        assert _f.readline() == b"1\n"
+        client.flush()
+        oid = ref.address.object_id
+        t_release = time.monotonic()
+        client.release(ref)
+        lat.append(wait_freed(oid) - t_release)
+    return lat
+
+def burst(n, inflight=32):
+    async def run():
+        sem = asyncio.Semaphore(inflight)
+        released = {}
+        async def one(i):
+            async with sem:
+                ref = await client.aput([torch.full((1024,), 1.0)])
+                oid = ref.address.object_id
+                released[oid] = time.monotonic()
+                await client.arelease(ref)
+        t0 = time.monotonic()
+        await asyncio.gather(*(one(i) for i in range(n)))
+        return t0, released
+    t0, released = asyncio.run(run())
+    done = {oid: wait_freed(oid) for oid in released}
+    return t0, [done[o] - released[o] for o in released], max(done.values())
+"""
+
+READER_SETUP = r"""
+import base64, pickle, socket, threading, time
+_srv = socket.socket()
+_srv.bind(("127.0.0.1", 0))
+_srv.listen()
+reader_port = _srv.getsockname()[1]
+
+def _handle(conn):
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    f = conn.makefile("rwb")
+    while line := f.readline():
+        shared, value = pickle.loads(base64.b64decode(line))
+        t0 = time.monotonic()
+        h = client.adopt(shared)
+        t = client.fetch(h)[0]
+        t1 = time.monotonic()
+        ok = bool((t[::4096] == value).all() and t[0] == value and t[-1] == value)
+        t2 = time.monotonic()
+        client.release(h)
+        del t, h
+        t3 = time.monotonic()
+        f.write(b"%d %f %f %f\n" % (ok, t1 - t0, t2 - t1, t3 - t2))
+        f.flush()
+
+def _serve():
+    while True:
+        conn, _ = _srv.accept()
+        threading.Thread(target=_handle, args=(conn,), daemon=True).start()
+
+threading.Thread(target=_serve, daemon=True).start()
+"""
+
+
+def gpuobj_side(args: argparse.Namespace) -> dict:
+    from gpuobj_dev.cluster import DevCluster
+    from gpuobj_dev.testing.api_requests import delta, request_counts, writes
+    from gpuobj_dev.testing.cluster import ClusterHandle
+    from gpuobj_dev.testing.operator import OperatorProcess
+    from gpuobj_dev.testing.pods import create_agent_pod
+    from gpuobj_dev.testing.workload import WorkloadProcess, free_port
 
     state = Path(tempfile.mkdtemp(prefix="gpuobj-bench-"))
-    cluster = DevCluster(state, tie_to_parent=True, log=lambda m: print(f"# {m}", flush=True))
+    cluster = DevCluster(state, tie_to_parent=True, log=lambda m: print(f"# {m}", file=sys.stderr, flush=True))
     handle = ClusterHandle(cluster, cluster.up())
     workloads: list[WorkloadProcess] = []
     operator = None
+    out: dict = {"load_start": load(), "rows": {}, "pairs": {}, "writes": {}}
     try:
         handle.apply_crds()
         handle.kubectl("create", "namespace", NAMESPACE)
         token = state / "token"
         token.write_text(secrets.token_hex(16))
+        # The harness runs the operator and workloads with the admin kubeconfig today (the per-
+        # ServiceAccount harness is being converted); the bench uses what the tests use.
         operator = (
             OperatorProcess(handle.kubeconfig, token, lease_namespace=NAMESPACE, extra_args=["--namespace", NAMESPACE])
             .start()
@@ -157,49 +383,102 @@ def main(argv: list[str] | None = None) -> int:
             async with handle.client() as kube:
                 return (await create_agent_pod(kube, NAMESPACE, name, port=port))["metadata"]["uid"]
 
-        for name in ("src", "reader"):
+        def start(name: str) -> tuple[WorkloadProcess, str]:
             port = free_port()
             uid = asyncio.run(pod(name, port))
-            workloads.append(
-                WorkloadProcess(
-                    pod_name=name,
-                    namespace=NAMESPACE,
-                    pod_uid=uid,
-                    port=port,
-                    token_file=token,
-                    kubeconfig=handle.kubeconfig,
-                ).start()
-            )
-        src, reader = workloads
-        rows = []
+            w = WorkloadProcess(
+                pod_name=name,
+                namespace=NAMESPACE,
+                pod_uid=uid,
+                port=port,
+                token_file=token,
+                kubeconfig=handle.kubeconfig,
+                env={"GPUOBJ_WRITE_WINDOW": str(args.window)},
+            ).start(ready_timeout=180)
+            workloads.append(w)
+            return w, uid
+
+        def make_pair(k: int):
+            src, _ = start(f"src-{k}")
+            reader, reader_uid = start(f"reader-{k}")
+            src.run(SOURCE_SETUP)
+            reader.run(READER_SETUP)
+            src.run(f"connect({reader.eval('reader_port')})")
+            return src, f"reader-{k}", reader_uid
+
+        src, rname, ruid = make_pair(0)
+        src.eval(f"cycles(4096, 5, False, {rname!r}, {ruid!r})[0]")  # warm up
         for size in args.sizes:
-            cycles = max(5, args.cycles if size <= (1 << 20) else args.cycles // 10)
-            print(f"# {human(size)}: {cycles} gpuobj cycles ...", flush=True)
-            ours = gpuobj_cycles(handle, src, reader, size, cycles)
-            theirs = "skipped (--no-ray)" if args.no_ray else ray_cycles(size, cycles)
-            rows.append((size, ours, theirs))
-        stream_rate = stream_items(src, reader, handle)
-        p50 = quantile(operator, 0.5)
-        p99 = quantile(operator, 0.99)
-        print()
-        print(f"{'object':>10} | {'gpuobj cycles/s':>16} | {'Ray RDT cycles/s':>16} | {'ratio':>6}")
-        print(f"{'-' * 10}-+-{'-' * 16}-+-{'-' * 16}-+-{'-' * 6}")
-        notes = set()
-        for size, ours, theirs in rows:
-            if isinstance(theirs, float):
-                print(f"{human(size):>10} | {ours:16.1f} | {theirs:16.1f} | {ours / theirs:5.2f}x")
-            else:
-                notes.add(str(theirs))
-                ref = RAY_REFERENCE.get(size, "?")
-                print(f"{human(size):>10} | {ours:16.1f} | {ref + ' (ref)':>16} | {'n/a':>6}")
-        if notes:
-            print(f"Ray RDT not measured here ({'; '.join(sorted(notes))}): (ref) = DESIGN.md's reference figures")
-        print(f"\nstream items/s (64 KiB items, producer -> consumer): {stream_rate:.1f}")
-        print(
-            f"operator free latency (last reference gone -> agent ack): p50 {p50 * 1000:.1f} ms,"
-            f" p99 {p99 * 1000:.1f} ms"
-        )
-        return 0
+            n = cycles_for(size, args.cycles)
+            row = {}
+            for policy in ("persistent", "fresh"):
+                before = request_counts(handle)
+                rate, lat, breakdown = src.eval(
+                    f"cycles({size}, {n}, {policy == 'fresh'}, {rname!r}, {ruid!r})", timeout=1800
+                )
+                src.run("client.flush()")
+                sent = delta(request_counts(handle), before)
+                row[policy] = {
+                    "rate": rate,
+                    "free_ms": [x * 1000 for x in lat],
+                    "writes_per_cycle": writes(sent) / n,
+                    "steps_ms": breakdown,
+                    "requests": {f"{v} {r}": c for (v, r), c in sent.items()},
+                }
+                print(f"# gpuobj {human(size)} {policy}: {rate:.1f} cycles/s", file=sys.stderr, flush=True)
+            out["rows"][str(size)] = row
+        out["recorded_free_ms"] = [x * 1000 for x in src.eval(f"recorded_frees(30, {rname!r}, {ruid!r})", timeout=600)]
+        out["stats"] = src.eval("client.write_stats()")
+        if args.pairs > 1:
+            pairs = [(src, rname, ruid)] + [make_pair(k) for k in range(1, args.pairs)]
+            for s, rn, ru in pairs[1:]:
+                s.eval(f"cycles(4096, 3, False, {rn!r}, {ru!r})[0]")
+            for size in [s for s in args.sizes if s <= SMALL]:
+                n = cycles_for(size, args.cycles) // 2
+                rates: list[float] = []
+
+                def one(s, rn, ru, size=size, n=n, rates=rates) -> None:
+                    rates.append(s.eval(f"cycles({size}, {n}, False, {rn!r}, {ru!r})[0]", timeout=1800))
+
+                threads = [threading.Thread(target=one, args=x) for x in pairs]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                out["pairs"][str(size)] = sum(rates)
+        if args.burst:
+            sources = [src] + ([pairs[1][0]] if args.pairs > 1 else [start("src-b")[0]])
+            for s in sources[1:]:
+                if args.pairs <= 1:
+                    s.run(SOURCE_SETUP)
+            before = request_counts(handle)
+            results: list = []
+
+            def fire(s) -> None:
+                results.append(s.eval(f"burst({args.burst})", timeout=1800))
+
+            threads = [threading.Thread(target=fire, args=(s,)) for s in sources]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for s in sources:
+                s.run("client.flush()")
+            sent = delta(request_counts(handle), before)
+            t0 = min(r[0] for r in results)
+            end = max(r[2] for r in results)
+            lat = [x for r in results for x in r[1]]
+            total = args.burst * len(sources)
+            out["burst"] = {
+                "objects": total,
+                "frees_per_s": total / (end - t0),
+                "free_p50_ms": pct(lat, 0.5) * 1000,
+                "free_p99_ms": pct(lat, 0.99) * 1000,
+                "requests_per_object": sum(sent.values()) / total,
+                "writes_per_object": writes(sent) / total,
+            }
+        out["load_end"] = load()
+        return out
     finally:
         for w in workloads:
             w.kill()
@@ -208,43 +487,114 @@ def main(argv: list[str] | None = None) -> int:
         cluster.down(quiet=True)
 
 
-def stream_items(src: WorkloadProcess, reader: WorkloadProcess, handle: ClusterHandle, items: int = 200) -> float:
-    src.run("w = client.stream_writer('bench')")
-    started = time.perf_counter()
-
-    def produce() -> None:
-        src.run(f"for i in range({items}): w.emit([torch.ones(16384)])\nw.close()", timeout=600)
-
-    t = threading.Thread(target=produce)
-    t.start()
-    reader.run("n = sum(1 for _ in client.read_stream('bench'))", timeout=600)
-    t.join()
-    rate = items / (time.perf_counter() - started)
-    handle.kubectl("delete", "gpuobjectstream", "bench", "-n", NAMESPACE, "--timeout=60s")
-    return rate
+# ------------------------------------------------------------------------------------ the table
 
 
-def quantile(operator: OperatorProcess, q: float) -> float:
-    """histogram_quantile over the operator's free-latency buckets (linear within a bucket)."""
-    from prometheus_client.parser import text_string_to_metric_families
+def run_side(side: str, argv: list[str]) -> dict | str:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--side", side, "--out", path, *argv], check=False)
+        if proc.returncode != 0:
+            return f"{side} side exited {proc.returncode} (see its output above)"
+        return json.loads(Path(path).read_text())
+    finally:
+        Path(path).unlink(missing_ok=True)
 
-    buckets = []
-    for family in text_string_to_metric_families(operator.metrics()):
-        for s in family.samples:
-            if s.name == "gpuobj_free_latency_seconds_bucket":
-                buckets.append((float(s.labels["le"]), s.value))
-    buckets.sort()
-    total = buckets[-1][1] if buckets else 0
-    if not total:
-        return float("nan")
-    rank, prev_le, prev_count = q * total, 0.0, 0.0
-    for le, count in buckets:
-        if count >= rank:
-            if le == float("inf"):
-                return prev_le
-            return prev_le + (le - prev_le) * (rank - prev_count) / max(count - prev_count, 1e-9)
-        prev_le, prev_count = le, count
-    return prev_le
+
+def report(ray: dict | str, ours: dict | str, sizes: list[int]) -> None:
+    print()
+    for name, side in (("Ray RDT", ray), ("gpuobj", ours)):
+        if isinstance(side, dict):
+            print(f"{name}: load (1/5/15 min) {side['load_start']} at start, {side['load_end']} at end")
+        else:
+            print(f"{name}: not measured: {side}")
+    head = (
+        f"{'object':>7} | {'policy':>10} | {'Ray c/s':>8} | {'gpuobj c/s':>10} | {'ratio':>6} | "
+        f"{'Ray free p50/p99 ms':>19} | {'gpuobj free p50/p99 ms':>22} | {'API writes/cycle':>16}"
+    )
+    print(head)
+    print("-" * len(head))
+    for size in sizes:
+        for policy in ("persistent", "fresh"):
+            r = ray["rows"].get(str(size), {}).get(policy) if isinstance(ray, dict) else None
+            o = ours["rows"].get(str(size), {}).get(policy) if isinstance(ours, dict) else None
+            rr = f"{r['rate']:8.1f}" if r else f"{'n/a':>8}"
+            oo = f"{o['rate']:10.1f}" if o else f"{'n/a':>10}"
+            ratio = f"{o['rate'] / r['rate']:5.2f}x" if r and o else f"{'n/a':>6}"
+            rf = f"{pct(r['free_ms'], 0.5):.2f} / {pct(r['free_ms'], 0.99):.2f}" if r else "n/a"
+            of = f"{pct(o['free_ms'], 0.5):.2f} / {pct(o['free_ms'], 0.99):.2f}" if o else "n/a"
+            w = f"{o['writes_per_cycle']:.2f}" if o else "n/a"
+            print(f"{human(size):>7} | {policy:>10} | {rr} | {oo} | {ratio} | {rf:>19} | {of:>22} | {w:>16}")
+    if isinstance(ours, dict) or isinstance(ray, dict):
+        for size in sizes:
+            rp = ray["pairs"].get(str(size)) if isinstance(ray, dict) else None
+            op = ours["pairs"].get(str(size)) if isinstance(ours, dict) else None
+            if rp is None and op is None:
+                continue
+            one = ours["rows"][str(size)]["persistent"]["rate"] if isinstance(ours, dict) else None
+            scale = f", {op / one:.2f}x one pair" if op and one else ""
+            ratio = f" ({op / rp:.2f}x Ray)" if op and rp else ""
+            print(
+                f"4 pairs, {human(size)}: Ray {rp or float('nan'):.1f} c/s, gpuobj {op or float('nan'):.1f} c/s"
+                f"{ratio}{scale}"
+            )
+    if isinstance(ours, dict):
+        rec = ours.get("recorded_free_ms") or []
+        print(
+            f"gpuobj free latency of recorded objects (outlived the window; freed by the operator): "
+            f"p50 {pct(rec, 0.5):.1f} ms, p99 {pct(rec, 0.99):.1f} ms ({len(rec)} samples)"
+        )
+        print(f"gpuobj write-behind: {ours.get('stats')}")
+        b = ours.get("burst")
+        if b:
+            print(
+                f"burst {b['objects']} short-lived 4 KiB objects (2 clients, 32 in flight each): "
+                f"{b['frees_per_s']:.0f} frees/s, free p50 {b['free_p50_ms']:.1f} ms, p99 {b['free_p99_ms']:.1f} ms, "
+                f"{b['requests_per_object']:.2f} API requests/object ({b['writes_per_object']:.2f} writes)"
+            )
+        for size in sizes:
+            for policy in ("persistent", "fresh"):
+                o = ours["rows"].get(str(size), {}).get(policy)
+                if not o:
+                    continue
+                steps = ", ".join(f"{k} {v:.2f}" for k, v in o.get("steps_ms", {}).items())
+                print(f"  gpuobj {human(size)} {policy}, ms per cycle: {steps}")
+                if o.get("requests"):
+                    print(f"    API requests: {o['requests']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cycles", type=int, default=200, help="cycles per size up to 1 MiB (a fifth above)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 1 << 20, 64 << 20])
+    parser.add_argument("--pairs", type=int, default=4, help="producer/reader pairs for the concurrency column")
+    parser.add_argument("--burst", type=int, default=1000, help="short-lived objects per client in the burst (0: skip)")
+    parser.add_argument("--window", type=float, default=0.1, help="gpuobj's write-behind window, seconds")
+    parser.add_argument("--no-ray", action="store_true", help="skip the Ray RDT side")
+    parser.add_argument("--side", choices=["ray", "gpuobj"], help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.side:
+        result = ray_side(args) if args.side == "ray" else gpuobj_side(args)
+        Path(args.out).write_text(json.dumps(result))
+        return 0
+    passthrough = [
+        "--cycles", str(args.cycles), "--sizes", *map(str, args.sizes), "--pairs", str(args.pairs),
+        "--burst", str(args.burst), "--window", str(args.window),
+    ]  # fmt: skip
+    print(f"# {os.cpu_count()} CPUs, load {load()} before the run", flush=True)
+    ray: dict | str = "skipped (--no-ray)"
+    if not args.no_ray:
+        try:
+            import ray as _ray  # noqa: F401
+        except ImportError:
+            ray = "ray not importable (make bench installs ray==2.60.0)"
+        else:
+            ray = run_side("ray", passthrough)
+    ours = run_side("gpuobj", passthrough)
+    report(ray, ours, args.sizes)
+    return 0 if isinstance(ours, dict) else 1
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import torch
 
 from gpuobj_agent.buffers import LandingPool
 from gpuobj_agent.errors import AgentError, BadRequest, FetchError, ObjectGone, SourceUnavailable, TransportError
-from gpuobj_agent.layouts import TensorLayout, normalize_device
+from gpuobj_agent.layouts import TensorLayout, allocate, normalize_device, parse_layout
 from gpuobj_agent.metrics import AgentMetrics
 from gpuobj_agent.nixl_transport import NixlAgent, Span
 from gpuobj_agent.store import READ_END_PREFIX
@@ -80,6 +80,8 @@ class Fetcher:
         self._session: aiohttp.ClientSession | None = None
         self._sources: dict[str, tuple[str, set[str]]] = {}  # endpoint -> (incarnation, loaded agent names)
         self._enders: set[asyncio.Task] = set()
+        self._direct_lock = threading.Lock()
+        self._direct_loaded: dict[str, set[int]] = {}  # remote agent -> metadata blobs loaded by direct reads
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256, force_close=False))
@@ -99,6 +101,8 @@ class Fetcher:
 
     def _forget(self, names: Sequence[str]) -> None:
         for name in names:
+            with self._direct_lock:
+                self._direct_loaded.pop(name, None)
             self.reader.forget_remote(name)
 
     @property
@@ -167,18 +171,98 @@ class Fetcher:
         self.metrics.transfer_seconds.labels(direction="in").observe(time.monotonic() - started)
         return tensors
 
+    async def fetch_granted(
+        self,
+        endpoint: str,
+        object_id: str,
+        grant: dict[str, Any],
+        *,
+        device: str = "cpu",
+        token: str | None = None,
+        timeout: float | None = None,
+    ) -> list[torch.Tensor]:
+        """Read with a grant the source handed over (store.grant): no request to the source at all.
+
+        The caller holds a live claim, so the bytes stay. If the grant's NIXL agent was retired
+        (the object moved generation, or the source restarted) the READ fails cleanly and we
+        fall back to a read ticket over HTTP, which also says whether the object still exists.
+        """
+        started = time.monotonic()
+        deadline = started + (timeout if timeout is not None else self.default_timeout)
+        try:
+            target = normalize_device(device)
+        except BadRequest as exc:
+            raise FetchError(str(exc)) from None
+        try:
+            tensors, _ = await self._read(endpoint, grant, target, deadline)
+        except (SourceUnavailable, FetchError) as exc:
+            log.debug("grant for %s on %s no longer serves (%s); asking for a ticket", object_id, endpoint, exc)
+            left = deadline - time.monotonic()
+            return await self.fetch(endpoint, object_id, device=device, token=token, timeout=max(left, 0.001))
+        self.metrics.transfer_bytes.labels(direction="in").inc(sum(t.nbytes for t in tensors))
+        self.metrics.transfer_seconds.labels(direction="in").observe(time.monotonic() - started)
+        return tensors
+
+    def fetch_granted_direct(
+        self, endpoint: str, object_id: str, grant: dict[str, Any], *, device: str = "cpu", timeout: float | None = None
+    ) -> list[torch.Tensor]:
+        """`fetch_granted` in the calling thread: no event loop, no thread hop, no request.
+
+        For synchronous callers holding a live claim. Raises FetchError (or TransportError) if the
+        grant no longer serves; the caller then takes the asynchronous path, which falls back to a
+        ticket. NIXL's agent is used from several threads already (the transfer threads).
+        """
+        started = time.monotonic()
+        deadline = started + (timeout if timeout is not None else self.default_timeout)
+        try:
+            target = normalize_device(device)
+        except BadRequest as exc:
+            raise FetchError(str(exc)) from None
+        layouts, spans, agent, metadata = self._parse_grant(endpoint, grant)
+        if any(spans):
+            with self._direct_lock:
+                seen = self._direct_loaded.setdefault(agent, set())
+                fresh = hash(metadata) not in seen
+            if fresh:
+                self.reader.load_remote(metadata)
+                with self._direct_lock:
+                    if len(seen) > 4096:
+                        seen.clear()
+                    seen.add(hash(metadata))
+        tensors, _ = self._read_sync(agent, b"", spans, layouts, target, deadline, None, [], b"")
+        self.metrics.transfer_bytes.labels(direction="in").inc(sum(t.nbytes for t in tensors))
+        self.metrics.transfer_seconds.labels(direction="in").observe(time.monotonic() - started)
+        return tensors
+
+    def _parse_grant(
+        self, endpoint: str, grant: dict[str, Any]
+    ) -> tuple[list[TensorLayout], list[Span | None], str, bytes]:
+        try:
+            layouts = [TensorLayout.from_json(t) for t in grant["tensors"]]
+            spans = [_span(s) for s in grant["spans"]]
+            agent = grant["nixlAgent"]
+            metadata = base64.b64decode(grant["agentMetadata"]) if any(spans) else b""
+        except (KeyError, TypeError, ValueError, AgentError) as exc:
+            raise FetchError(f"source {endpoint} sent a malformed read grant: {exc}") from None
+        if len(layouts) != len(spans) or not isinstance(agent, str):
+            raise FetchError(f"source {endpoint} sent a malformed read grant")
+        for s, layout in zip(spans, layouts, strict=True):
+            if s is not None and s.nbytes != layout.nbytes:
+                raise FetchError(f"source {endpoint} sent a span of {s.nbytes} bytes for a {layout.nbytes}-byte tensor")
+        return layouts, spans, agent, metadata
+
     async def _read(
         self, endpoint: str, ticket: dict[str, Any], device: str, deadline: float
     ) -> tuple[list[torch.Tensor], bool]:
         """Allocate, load the metadata and READ (on a transfer thread); returns (tensors, end notified)."""
         try:
-            layouts = [TensorLayout.from_json(t) for t in ticket["tensors"]]
+            layouts = [parse_layout(t) for t in ticket["tensors"]]
             spans = [_span(s) for s in ticket["spans"]]
             agent = ticket["nixlAgent"]
             metadata = base64.b64decode(ticket["agentMetadata"]) if any(spans) else b""
             live = set(ticket.get("liveAgents") or ())
             incarnation = str(ticket.get("incarnation") or "")
-            read_id = str(ticket["readId"])
+            read_id = str(ticket.get("readId") or "")  # none for a grant: no ticket to end
         except (KeyError, TypeError, ValueError, AgentError) as exc:
             raise FetchError(f"source {endpoint} sent a malformed read ticket: {exc}") from None
         if len(layouts) != len(spans) or not isinstance(agent, str):
@@ -200,7 +284,7 @@ class Fetcher:
             deadline,
             abort,
             forget,
-            READ_END_PREFIX + read_id.encode(),
+            READ_END_PREFIX + read_id.encode() if read_id else b"",
         )
         try:
             return await asyncio.shield(job)
@@ -239,14 +323,15 @@ class Fetcher:
                 tensors, _ = self.pool.carve(layouts)  # registered, pre-faulted landing memory
                 registered = True
             else:
-                tensors = [layout.allocate(device=device) for layout in layouts]
+                tensors = [allocate(layout, device=device) for layout in layouts]
                 registered = False
         except (RuntimeError, MemoryError) as exc:
             raise FetchError(f"allocating the destination on {device} failed: {exc}") from exc
         pairs = [(s, t) for s, t in zip(spans, tensors, strict=True) if s is not None]
         if not pairs:
             return tensors, False
-        self.reader.load_remote(metadata)
+        if metadata:
+            self.reader.load_remote(metadata)
         notified = self.reader.read(
             agent,
             [s for s, _ in pairs],
@@ -275,7 +360,7 @@ class Fetcher:
         entry = self._sources.get(endpoint)
         if entry is not None:
             entry[1].discard(agent)
-        self._transfers.submit(self.reader.forget_remote, agent)
+        self._transfers.submit(self._forget, [agent])
 
     def forget_source(self, endpoint: str) -> None:
         """The source went away: drop every agent of it we cached."""

@@ -21,7 +21,7 @@ import torch
 from aiohttp import web
 
 from gpuobj_agent.agent import Agent
-from gpuobj_agent.auth import TokenFile
+from gpuobj_agent.auth import ServiceAccountAuth
 from gpuobj_agent.config import AgentConfig
 from gpuobj_agent.layouts import TensorLayout
 from gpuobj_agent.store import StoredObject, _iso
@@ -52,7 +52,7 @@ class AgentRuntime:
         self,
         config: AgentConfig | None = None,
         *,
-        tokens: TokenFile | None = None,
+        tokens: ServiceAccountAuth | None = None,
         extra_routes: Callable[[web.Application], None] | None = None,
         **overrides: Any,
     ) -> None:
@@ -261,6 +261,49 @@ class AgentRuntime:
         timeout: float | None = None,
     ) -> list[torch.Tensor]:
         return await self._acall(self._fetch(endpoint, object_id, device, token, timeout))
+
+    async def agrant(self, object_id: str) -> dict[str, Any]:
+        """A read grant for an object held here (store.grant), to embed in a hand-off."""
+        return await self._acall(self.agent.store.grant(object_id))
+
+    async def afetch_granted(
+        self,
+        endpoint: str,
+        object_id: str,
+        grant: dict[str, Any],
+        *,
+        device: str = "cpu",
+        token: str | None = None,
+        timeout: float | None = None,
+    ) -> list[torch.Tensor]:
+        """Read with a grant (no request to the source; a ticket only if the grant went stale)."""
+        assert self.agent.fetcher is not None
+        return await self._acall(
+            self.agent.fetcher.fetch_granted(endpoint, object_id, grant, device=device, token=token, timeout=timeout)
+        )
+
+    def fetch_granted_direct(
+        self,
+        endpoint: str,
+        object_id: str,
+        grant: dict[str, Any],
+        *,
+        device: str = "cpu",
+        timeout: float | None = None,
+    ) -> list[torch.Tensor]:
+        """Read with a grant in the calling thread (no loop, no request); raises if the grant went stale."""
+        fetcher = self.agent.fetcher
+        assert fetcher is not None
+        return fetcher.fetch_granted_direct(endpoint, object_id, grant, device=device, timeout=timeout)
+
+    def set_handoff_sink(self, sink: Callable[[str], Coroutine[Any, Any, bool]] | None) -> None:
+        """Route receivers' releases of hand-off claims to `sink` (a coroutine function on any loop).
+
+        The agent awaits it from its own loop; a sink living on another loop is run there."""
+        if sink is None:
+            self.agent.handoff_sink = None
+            return
+        self.agent.handoff_sink = sink
 
     def inventory(self) -> dict[str, Any]:
         return self._call(self._inventory(), 30)

@@ -458,7 +458,8 @@ class DevCluster:
     def env(self) -> dict[str, str]:
         """Environment a shell needs to use this cluster with kubectl and helm."""
         path = os.pathsep.join([*toolchain.bin_path_entries(), os.environ.get("PATH", "")])
-        return {"KUBECONFIG": str(self.kubeconfig), "PATH": path}
+        # kubectl's discovery cache per cluster: loopback ports are reused by later clusters.
+        return {"KUBECONFIG": str(self.kubeconfig), "PATH": path, "KUBECACHEDIR": str(self.state_dir / "kube-cache")}
 
     def status_lines(self) -> list[str]:
         state = self.load_state()

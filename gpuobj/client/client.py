@@ -1,9 +1,12 @@
 """The client library workloads call: put, fetch, borrow, share, adopt, release, publish, streams.
 
-Kubernetes side: `put` records the GPUObject (with the gpuobj.io/free finalizer) before it
-returns, so its handle can be referenced at once; claims are GPUObjectClaims owned by the
-holder pod. Byte side: the pod's embedded agent (gpuobj_agent.runtime.AgentRuntime)
-stores, registers and reads with NIXL.
+Kubernetes side: GPUObjects (with the gpuobj.io/free finalizer) and GPUObjectClaims (owned
+by the holder pod) are written behind the caller (writebehind.py): `put`, `share` and
+`release` return once the bytes are stored and the writes queued; an object whose whole
+life fits in the write window is never written at all (docs/write-behind.md).
+`flush()` waits until everything queued has landed. Byte side: the pod's embedded agent
+(gpuobj_agent.runtime.AgentRuntime) stores, registers and reads with NIXL; a hand-off
+carries a read grant, so the receiver's fetch makes no request to the source.
 
 Every public call has a sync form for ordinary code and an ``a``-prefixed async form for
 asyncio workloads; both run the I/O on the client's own loop thread with a deadline.
@@ -15,6 +18,7 @@ import asyncio
 import atexit
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -24,10 +28,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gpuobj.client import errors
 from gpuobj.client.errors import FetchError, ObjectLostError, ObjectNotFoundError
 from gpuobj.client.handles import ObjectAddress, ObjectRef, SharedRef, TensorLayout
 from gpuobj.client.loop import LoopThread
 from gpuobj.client.streams import StreamReader, StreamWriter, adelete_stream
+from gpuobj.client.writebehind import DEFAULT_MAX_PENDING, DEFAULT_WINDOW, WriteBehind
+from gpuobj_agent.layouts import layout_of
+from gpuobj_contract import agent_api as api
 from gpuobj_contract import names
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, Conflict, KubeClient, NotFound
 from gpuobj_kube.config import KubeConfig
@@ -40,6 +48,19 @@ POD_UID_TTL = 30.0
 # A fetch that failed because the source's process is gone waits this long for the operator to say Lost
 # (it probes agents every second or so), so the reader gets ObjectLostError, as for a deleted pod.
 LOST_WAIT = 5.0
+HANDOFF_RELEASE_TIMEOUT = 5.0
+
+Release = tuple[str, str, str, str, "str | None"]  # (kind, namespace, name, uid, via)
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"${name} must be a number, not {raw!r}") from None
 
 
 def _short_id() -> str:
@@ -64,10 +85,64 @@ def _at_shutdown(fn) -> None:
         atexit.register(fn)
 
 
-def layout_of(tensor: Any) -> TensorLayout:
-    return TensorLayout(
-        tuple(int(d) for d in tensor.shape), str(tensor.dtype).removeprefix("torch."), str(tensor.device)
-    )
+def _pod_environment(**given: Any) -> dict[str, Any]:
+    """Arguments given, else the downward-API environment; a clear error naming every variable missing."""
+    from gpuobj_agent import config as agent_config  # one home for the variable names
+
+    sources = {
+        "pod_name": agent_config.POD_NAME_ENV,
+        "namespace": agent_config.POD_NAMESPACE_ENV,
+        "pod_uid": agent_config.POD_UID_ENV,
+        "token_file": names.TOKEN_ENV,
+        "port": agent_config.PORT_ENV,
+    }
+    values = {key: given[key] if given.get(key) is not None else os.environ.get(var) for key, var in sources.items()}
+    values["port"] = values["port"] or names.DEFAULT_AGENT_PORT
+    missing = [sources[k] for k, v in values.items() if not v]
+    if missing:
+        raise errors.ConfigurationError(
+            f"Client.connect(): {', '.join(missing)} not set; in a pod set them from the downward API "
+            "(see docs/workload-pods.md and deploy/examples/workload-pod.yaml), or pass the arguments"
+        )
+    try:
+        values["port"] = int(values["port"])
+    except ValueError:
+        raise errors.ConfigurationError(f"{agent_config.PORT_ENV}={values['port']!r} is not a port number") from None
+    return values
+
+
+def _describe(ref: Any) -> str:
+    address = getattr(ref, "address", ref)
+    return f"GPUObject {getattr(address, 'namespace', '?')}/{getattr(address, 'name', '?')}"
+
+
+def _live_address(ref: ObjectRef | ObjectAddress, action: str) -> ObjectAddress:
+    """The address of a handle that still holds its reference; a released one refuses (it no longer keeps the bytes)."""
+    if isinstance(ref, ObjectRef):
+        if ref.kind != "address" and not ref.alive:
+            raise errors.ReleasedHandleError(
+                f"cannot {action} {_describe(ref)}: this handle was released; borrow or adopt a new reference"
+            )
+        return ref.address
+    if isinstance(ref, ObjectAddress):
+        return ref
+    raise TypeError(f"cannot {action} {type(ref).__name__}: expected an ObjectRef or ObjectAddress")
+
+
+def _tensor_list(tensors: Any, *, what: str) -> list:
+    """A list of torch tensors from a tensor or a list/tuple of them; anything else is a clear error."""
+    import torch
+
+    items = list(tensors) if isinstance(tensors, list | tuple) else [tensors]
+    if not items:
+        raise errors.InvalidTensorError(f"{what}: no tensors given (pass a tensor or a non-empty list of tensors)")
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise errors.InvalidTensorError(
+                f"{what}: item {i} is a {type(t).__name__}, not a torch.Tensor "
+                "(pass a tensor or a list/tuple of tensors; convert with torch.as_tensor)"
+            )
+    return items
 
 
 def _source_may_be_gone(exc: BaseException) -> bool:
@@ -92,7 +167,17 @@ class Client:
         token_file: str | Path | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         owns_agent: bool = False,
+        write_behind: bool | None = None,
+        write_window: float | None = None,
+        max_pending_writes: int | None = None,
+        backpressure_timeout: float | None = None,
     ) -> None:
+        """``write_behind`` (default on; $GPUOBJ_WRITE_BEHIND=0 turns it off): API writes leave the
+        caller's path; ``write_window`` seconds ($GPUOBJ_WRITE_WINDOW, default 0.1) is how long an
+        object may live without ever being recorded; ``max_pending_writes``
+        ($GPUOBJ_MAX_PENDING_WRITES) bounds the queue, and a put that finds it full waits up to
+        ``backpressure_timeout`` ($GPUOBJ_BACKPRESSURE_TIMEOUT, default the call timeout) and then
+        raises WriteBehindFullError."""
         self.pod_name = pod_name
         self.namespace = namespace
         self.pod_uid = pod_uid
@@ -110,6 +195,29 @@ class Client:
         self._live: weakref.WeakSet[ObjectRef] = weakref.WeakSet()
         self._read_once: weakref.WeakSet[ObjectRef] = weakref.WeakSet()
         self._pod_uids: dict[tuple[str, str], tuple[str, float]] = {}
+        self._reading_lock = threading.Lock()
+        self._reading: dict[str, int] = {}  # claim name -> fetches in flight under it
+        self._deferred: dict[str, list[Release]] = {}  # releases waiting for those fetches
+        self._http: Any = None  # aiohttp session for hand-off releases, made on first use
+        if write_behind is None:
+            write_behind = os.environ.get("GPUOBJ_WRITE_BEHIND", "1") not in ("0", "false", "no")
+        self._wb: WriteBehind | None = None
+        if write_behind:
+            self._wb = WriteBehind(
+                self._kube,
+                free_local=self._free_local,
+                window=write_window if write_window is not None else _env_float("GPUOBJ_WRITE_WINDOW", DEFAULT_WINDOW),
+                max_pending=int(
+                    max_pending_writes
+                    if max_pending_writes is not None
+                    else _env_float("GPUOBJ_MAX_PENDING_WRITES", DEFAULT_MAX_PENDING)
+                ),
+                backpressure_timeout=backpressure_timeout
+                if backpressure_timeout is not None
+                else _env_float("GPUOBJ_BACKPRESSURE_TIMEOUT", timeout),
+            )
+            if hasattr(agent, "set_handoff_sink"):
+                agent.set_handoff_sink(self._handoff_sink)
         self._release_task = self._loop.submit(self._release_worker())
         self._closed = False
         _at_shutdown(self.close)
@@ -124,26 +232,37 @@ class Client:
     def connect(
         cls,
         *,
-        pod_name: str,
-        namespace: str,
-        pod_uid: str,
-        token_file: str | Path,
+        pod_name: str | None = None,
+        namespace: str | None = None,
+        pod_uid: str | None = None,
+        token_file: str | Path | None = None,
         host: str = "0.0.0.0",
-        port: int = names.DEFAULT_AGENT_PORT,
+        port: int | None = None,
         kubeconfig: str | Path | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> Client:
         """Start the embedded agent in this process and connect to the API server.
 
-        With a wildcard ``host`` the agent advertises $GPUOBJ_POD_IP (the downward API's
-        status.podIP), so other pods reach it at the pod's address.
+        In a pod, `Client.connect()` with no arguments reads the documented downward-API
+        environment (docs/workload-pods.md): GPUOBJ_POD_NAME, GPUOBJ_POD_NAMESPACE, GPUOBJ_POD_UID,
+        GPUOBJ_TOKEN_FILE, and optionally GPUOBJ_POD_IP and GPUOBJ_AGENT_PORT. With a wildcard
+        ``host`` the agent advertises $GPUOBJ_POD_IP, so other pods reach it at the pod's address.
         """
+        env = _pod_environment(
+            pod_name=pod_name, namespace=namespace, pod_uid=pod_uid, token_file=token_file, port=port
+        )
+        pod_name, namespace, pod_uid, token_file, port = (
+            env["pod_name"], env["namespace"], env["pod_uid"], env["token_file"], int(env["port"])
+        )  # fmt: skip
         from gpuobj_agent.runtime import AgentRuntime
 
         agent = AgentRuntime(
             pod_name=pod_name, namespace=namespace, pod_uid=pod_uid, host=host, port=port, token_file=str(token_file)
         )
-        agent.start()
+        try:
+            agent.start()
+        except Exception as exc:
+            raise errors.agent_error(exc, what=f"start the gpuobj agent on port {port}") from exc
         try:
             return cls(
                 pod_name=pod_name,
@@ -155,24 +274,64 @@ class Client:
                 timeout=timeout,
                 owns_agent=True,
             )
-        except BaseException:
+        except BaseException as exc:
             agent.stop()
-            raise
+            raise errors.agent_error(exc, what="connect to the API server") from exc
 
     # ------------------------------------------------------------ sync facade
 
-    def _call(self, coro):
-        return self._loop.call(coro, self.timeout)
+    def _call(self, coro, what: str):
+        """Run on the client loop; whatever goes wrong underneath comes out as a GpuObjError."""
+        try:
+            return self._loop.call(coro, self.timeout)
+        except BaseException as exc:
+            err = errors.agent_error(exc, what=what)
+            if err is exc:
+                raise
+            raise err from exc
 
-    def put(self, tensors: Any, *, name: str | None = None, labels: dict[str, str] | None = None) -> ObjectRef:
-        return self._call(self.aput_inner(tensors, name=name, labels=labels))
+    async def _acall(self, coro, what: str):
+        try:
+            return await self._loop.acall(coro, self.timeout)
+        except BaseException as exc:
+            err = errors.agent_error(exc, what=what)
+            if err is exc:
+                raise
+            raise err from exc
+
+    def put(
+        self, tensors: Any, *, name: str | None = None, labels: dict[str, str] | None = None, copy: bool = False
+    ) -> ObjectRef:
+        """Store tensors (zero-copy unless `copy`) as a GPUObject whose source is this pod."""
+        return self._call(self.aput_inner(tensors, name=name, labels=labels, copy=copy), "put")
 
     def fetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
-        return self._call(self.afetch_inner(ref, device=device))
+        if (
+            isinstance(ref, ObjectRef)
+            and ref.grant is not None
+            and ref.claim_name
+            and hasattr(self.agent, "fetch_granted_direct")
+        ):
+            # A hand-off with a read grant: read in this thread, with no loop hop and no request.
+            claim = ref.claim_name
+            self._begin_read(claim)
+            try:
+                if ref.alive:
+                    address = ref.address
+                    with contextlib.suppress(Exception):  # stale grant or error: the full path says why
+                        tensors = self.agent.fetch_granted_direct(
+                            address.source_endpoint, address.object_id, ref.grant, device=device, timeout=self.timeout
+                        )
+                        if ref in self._read_once:
+                            ref.release()  # a read-once hand-off: its one read is done (lands after _end_read)
+                        return tensors
+            finally:
+                self._end_read(claim)
+        return self._call(self.afetch_inner(ref, device=device), f"fetch {_describe(ref)}")
 
     def borrow(self, ref: ObjectRef | ObjectAddress, *, ttl: int | None = None) -> ObjectRef:
         """Claim for this process. ``ttl``: seconds after which the operator drops the claim regardless."""
-        return self._call(self.aborrow_inner(ref, ttl=ttl))
+        return self._call(self.aborrow_inner(ref, ttl=ttl), f"borrow {_describe(ref)}")
 
     def share(
         self,
@@ -188,32 +347,60 @@ class Client:
         claim dies with the receiver's process; without it, with the receiver's pod. ``ttl``: the operator
         drops the claim that many seconds after it was made, even if the receiver hangs. ``read_once``:
         the receiver's handle releases itself after its first completed fetch (a KV-style hand-off)."""
-        return self._call(self.ashare_inner(ref, pod_name, pod_uid, incarnation, ttl=ttl, read_once=read_once))
+        return self._call(
+            self.ashare_inner(ref, pod_name, pod_uid, incarnation, ttl=ttl, read_once=read_once),
+            f"share {_describe(ref)} with pod {pod_name}",
+        )
 
     def adopt(self, shared: SharedRef) -> ObjectRef:
         return self._adopt(shared)
 
     def release(self, ref: ObjectRef) -> None:
-        """Drop a reference and wait until the API has it (deleted claim or GPUObject)."""
-        self._call(self.arelease_inner(ref))
+        """Drop a reference: an elided object is freed before this returns; otherwise its delete is
+        queued (`flush` waits for it to land). Releases are never refused and never dropped."""
+        self._call(self.arelease_inner(ref), f"release {_describe(ref)}")
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Send every queued API write now and wait until all have landed."""
+        self._call(self.aflush_inner(timeout), "flush the queued API writes")
+
+    async def aflush(self, timeout: float | None = None) -> None:
+        await self._loop.acall(self.aflush_inner(timeout), self.timeout if timeout is None else timeout + 5)
+
+    async def aflush_inner(self, timeout: float | None = None) -> None:
+        await self._drain_releases()
+        if self._wb is not None:
+            await self._wb.flush(self.timeout if timeout is None else timeout)
+
+    def write_stats(self) -> dict:
+        """The write-behind queue: pending writes, families, sent, elided, retries, last error."""
+        return self._call(self._astats(), "read the write-behind stats")
+
+    async def _astats(self) -> dict:
+        return self._wb.stats() if self._wb is not None else {"pending": 0}
 
     def publish(self, key: str, tensors: Any) -> None:
         """Offer tensors under a key, for a GPUObject declared with kubectl (spec.key) to bind."""
-        self.agent.publish(key, list(tensors) if isinstance(tensors, list | tuple) else [tensors])
+        try:
+            self.agent.publish(key, _tensor_list(tensors, what=f"publish {key!r}"))
+        except Exception as exc:
+            raise errors.agent_error(exc, what=f"publish {key!r}") from exc
 
     def get_object(self, name: str) -> dict:
-        return self._call(self._kube.get(GPUOBJECTS, name, self.namespace))
+        return self._call(self._kube.get(GPUOBJECTS, name, self.namespace), f"get GPUObject {name}")
 
     # ------------------------------------------------------------ async facade (asyncio workloads)
 
-    async def aput(self, tensors: Any, *, name: str | None = None, labels: dict[str, str] | None = None) -> ObjectRef:
-        return await self._loop.acall(self.aput_inner(tensors, name=name, labels=labels), self.timeout)
+    async def aput(
+        self, tensors: Any, *, name: str | None = None, labels: dict[str, str] | None = None, copy: bool = False
+    ) -> ObjectRef:
+        return await self._acall(self.aput_inner(tensors, name=name, labels=labels, copy=copy), "put")
 
     async def afetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
-        return await self._loop.acall(self.afetch_inner(ref, device=device), self.timeout)
+        return await self._acall(self.afetch_inner(ref, device=device), f"fetch {_describe(ref)}")
 
     async def aborrow(self, ref: ObjectRef | ObjectAddress, *, ttl: int | None = None) -> ObjectRef:
-        return await self._loop.acall(self.aborrow_inner(ref, ttl=ttl), self.timeout)
+        return await self._acall(self.aborrow_inner(ref, ttl=ttl), f"borrow {_describe(ref)}")
 
     async def ashare(
         self,
@@ -225,12 +412,13 @@ class Client:
         ttl: int | None = None,
         read_once: bool = False,
     ) -> SharedRef:
-        return await self._loop.acall(
-            self.ashare_inner(ref, pod_name, pod_uid, incarnation, ttl=ttl, read_once=read_once), self.timeout
+        return await self._acall(
+            self.ashare_inner(ref, pod_name, pod_uid, incarnation, ttl=ttl, read_once=read_once),
+            f"share {_describe(ref)} with {pod_name}",
         )
 
     async def arelease(self, ref: ObjectRef) -> None:
-        await self._loop.acall(self.arelease_inner(ref), self.timeout)
+        await self._acall(self.arelease_inner(ref), f"release {_describe(ref)}")
 
     # ------------------------------------------------------------ implementation (runs on the client loop)
 
@@ -252,7 +440,7 @@ class Client:
         spec: dict = {
             "source": {"podName": self.pod_name, "podUID": self.pod_uid, **self._incarnation_field()},
             "objectId": object_id,
-            "tensors": [t.to_spec() for t in layouts],
+            "tensors": [t.to_json() for t in layouts],
         }
         if stream is not None:
             stream_name, index, stream_uid = stream
@@ -275,13 +463,24 @@ class Client:
         name: str | None = None,
         labels: dict[str, str] | None = None,
         stream: tuple[str, int, str] | None = None,
+        copy: bool = False,
     ) -> ObjectRef:
-        tensors = list(tensors) if isinstance(tensors, list | tuple) else [tensors]
+        tensors = _tensor_list(tensors, what="put")
         object_id = f"o-{_short_id()}"
         name = name or f"{self.pod_name}-{object_id[2:12]}"
         layouts = tuple(layout_of(t) for t in tensors)
         stream_kw = {"stream": stream[0], "stream_index": stream[1]} if stream else {}
-        await self.agent.aput(object_id, tensors, **stream_kw)
+        await self.agent.aput(object_id, tensors, copy=copy, **stream_kw)
+        if self._wb is not None and stream is None:
+            body = self.object_body(name, object_id, layouts, labels=labels)
+            try:
+                record = await self._wb.create_object(self.namespace, name, body, object_id)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await self.agent.afree(object_id)
+                raise
+            address = ObjectAddress(self.namespace, name, "", object_id, self.pod_name, self.agent.endpoint, layouts)
+            return self._track(ObjectRef(address, "owner", self._enqueue_release, record=record))
         try:
             created = await self._kube.create(
                 GPUOBJECTS, self.object_body(name, object_id, layouts, labels=labels, stream=stream), self.namespace
@@ -297,12 +496,25 @@ class Client:
         return self._track(ObjectRef(address, "owner", self._enqueue_release))
 
     async def afetch_inner(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
-        address = ref.address if isinstance(ref, ObjectRef) else ref
+        address = _live_address(ref, "fetch")  # a released handle refuses
+        granted = isinstance(ref, ObjectRef) and ref.grant is not None and ref.claim_name is not None
+        claim = ref.claim_name if granted else None  # type: ignore[union-attr]
+        if claim is not None:
+            self._begin_read(claim)  # its release waits for this read
         try:
             # The runtime's async API runs on the agent's own loop: no thread is blocked waiting.
-            tensors = await self.agent.afetch(
-                address.source_endpoint, address.object_id, device=device, token=self._token()
-            )
+            if claim is not None:
+                tensors = await self.agent.afetch_granted(
+                    address.source_endpoint,
+                    address.object_id,
+                    ref.grant,
+                    device=device,
+                    token=self._token(),  # type: ignore[union-attr]
+                )
+            else:
+                tensors = await self.agent.afetch(
+                    address.source_endpoint, address.object_id, device=device, token=self._token()
+                )
             if isinstance(ref, ObjectRef) and ref in self._read_once:
                 await self.arelease_inner(ref)  # a read-once hand-off: its one read is done
             return tensors
@@ -333,6 +545,28 @@ class Client:
             raise FetchError(
                 f"fetching {address.namespace}/{address.name} from {address.source_endpoint} failed: {exc}"
             ) from exc
+        finally:
+            if claim is not None:
+                self._end_read(claim)
+
+    def _begin_read(self, claim: str) -> None:
+        with self._reading_lock:
+            self._reading[claim] = self._reading.get(claim, 0) + 1
+
+    def _end_read(self, claim: str) -> None:
+        """Any thread: the read under `claim` ended; releases it held back go to the queue now."""
+        with self._reading_lock:
+            left = self._reading.get(claim, 1) - 1
+            if left > 0:
+                self._reading[claim] = left
+                return
+            self._reading.pop(claim, None)
+            deferred = self._deferred.pop(claim, [])
+        if deferred:
+            for release in deferred:
+                self._releases.put(release)
+            with contextlib.suppress(RuntimeError):
+                self._loop.loop.call_soon_threadsafe(self._release_event.set)
 
     def _token(self) -> str | None:
         return self.token_file.read_text().strip() if self.token_file else None
@@ -346,7 +580,7 @@ class Client:
         value = incarnation or self.incarnation
         return {"incarnation": value} if value else {}
 
-    async def _create_claim(
+    def _claim_body(
         self,
         address: ObjectAddress,
         holder_pod: str,
@@ -356,24 +590,45 @@ class Client:
     ) -> dict:
         if ttl is not None and (not isinstance(ttl, int) or ttl < 1):
             raise ValueError(f"ttl must be a whole number of seconds >= 1, not {ttl!r}")
-        body = {
+        spec: dict = {
+            "objectName": address.name,
+            # Scoped to a process: ours, or the receiver's when the sender knows it.
+            "holder": {"podName": holder_pod, **({"incarnation": incarnation} if incarnation else {})},
+            **({"ttlSeconds": ttl} if ttl else {}),
+        }
+        if address.uid:
+            spec["objectUID"] = address.uid  # else the write-behind pins the uid it created
+        return {
             "metadata": {
                 "name": f"{address.name[:200]}-{holder_pod[:40]}-{_short_id()[:6]}",
                 "labels": {names.LABEL_OBJECT: address.name[:63]},
                 "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": holder_pod, "uid": holder_uid}],
+                # On a receiver's behalf: say who shares, so admission can check it is us (docs/security.md).
+                **({"annotations": {names.ANNOTATION_SHARED_BY: self.pod_name}} if holder_pod != self.pod_name else {}),
             },
-            "spec": {
-                "objectName": address.name,
-                "objectUID": address.uid,
-                # Scoped to a process: ours, or the receiver's when the sender knows it.
-                "holder": {"podName": holder_pod, **({"incarnation": incarnation} if incarnation else {})},
-                **({"ttlSeconds": ttl} if ttl else {}),
-            },
+            "spec": spec,
         }
+
+    async def _create_claim(
+        self,
+        address: ObjectAddress,
+        holder_pod: str,
+        holder_uid: str,
+        incarnation: str | None = None,
+        ttl: int | None = None,
+    ) -> dict:
+        body = self._claim_body(address, holder_pod, holder_uid, incarnation, ttl)
         return await self._kube.create(CLAIMS, body, address.namespace)
 
     async def aborrow_inner(self, ref: ObjectRef | ObjectAddress, ttl: int | None = None) -> ObjectRef:
-        address = ref.address if isinstance(ref, ObjectRef) else ref
+        address = _live_address(ref, "borrow")
+        if self._wb is not None:
+            body = self._claim_body(address, self.pod_name, self.pod_uid, self.incarnation, ttl)
+            name = body["metadata"]["name"]
+            record = await self._wb.create_claim(address.namespace, address.name, name, body)
+            return self._track(
+                ObjectRef(address, "claim", self._enqueue_release, claim_name=name, claim_uid="", record=record)
+            )
         created = await self._create_claim(address, self.pod_name, self.pod_uid, self.incarnation, ttl)
         return self._track(
             ObjectRef(
@@ -395,9 +650,21 @@ class Client:
         ttl: int | None = None,
         read_once: bool = False,
     ) -> SharedRef:
-        address = ref.address if isinstance(ref, ObjectRef) else ref
+        address = _live_address(ref, "share")
         if pod_uid is None:
             pod_uid = await self._pod_uid(address.namespace, pod_name)
+        if self._wb is not None:
+            body = self._claim_body(address, pod_name, pod_uid, incarnation, ttl)
+            name = body["metadata"]["name"]
+            await self._wb.create_claim(address.namespace, address.name, name, body)
+            grant = None
+            if address.source_endpoint == self.agent.endpoint:
+                # Our own object: the receiver reads it with no request here (the claim keeps it).
+                with contextlib.suppress(Exception):
+                    grant = await self.agent.agrant(address.object_id)
+            return SharedRef(
+                address, name, "", pod_name, read_once=read_once, grant=grant, release_via=self.agent.endpoint
+            )
         created = await self._create_claim(address, pod_name, pod_uid, incarnation, ttl)
         return SharedRef(address, created["metadata"]["name"], created["metadata"]["uid"], pod_name, read_once)
 
@@ -408,16 +675,30 @@ class Client:
         cached = self._pod_uids.get((namespace, pod_name))
         if cached and now - cached[1] < POD_UID_TTL:
             return cached[0]
-        uid = (await self._kube.get(PODS, pod_name, namespace))["metadata"]["uid"]
+        try:
+            uid = (await self._kube.get(PODS, pod_name, namespace))["metadata"]["uid"]
+        except NotFound:
+            raise errors.PodNotFoundError(
+                f"pod {namespace}/{pod_name} does not exist: share with a running pod (check its name)"
+            ) from None
         self._pod_uids[(namespace, pod_name)] = (uid, now)
         return uid
 
     def _adopt(self, shared: SharedRef) -> ObjectRef:
         if shared.holder_pod != self.pod_name:
-            raise ValueError(f"this reference was shared with pod {shared.holder_pod}, not {self.pod_name}")
+            raise errors.GpuObjError(
+                f"this reference was shared with pod {shared.holder_pod}, not {self.pod_name}: "
+                f"share it with {self.pod_name} instead"
+            )
         ref = self._track(
             ObjectRef(
-                shared.address, "claim", self._enqueue_release, claim_name=shared.claim_name, claim_uid=shared.claim_uid
+                shared.address,
+                "claim",
+                self._enqueue_release,
+                claim_name=shared.claim_name,
+                claim_uid=shared.claim_uid,
+                grant=shared.grant,
+                via=shared.release_via,
             )
         )
         if shared.read_once:
@@ -431,11 +712,8 @@ class Client:
     async def arelease_inner(self, ref: ObjectRef) -> None:
         if not ref.alive:
             return
-        ref.detach()
-        if ref.kind == "owner":
-            await self._delete("object", ref.address.namespace, ref.address.name, ref.address.uid)
-        elif ref.kind == "claim":
-            await self._delete("claim", ref.address.namespace, ref.claim_name, ref.claim_uid)  # type: ignore[arg-type]
+        ref.release()  # queues it (any thread may release); drain now so an elided free happens before we return
+        await self._drain_releases()
 
     async def _delete(self, kind: str, namespace: str, name: str, uid: str) -> None:
         res = GPUOBJECTS if kind == "object" else CLAIMS
@@ -448,7 +726,7 @@ class Client:
 
     def stream_writer(self, name: str) -> StreamWriter:
         """Create the GPUObjectStream ``name`` with this pod as producer."""
-        return self._call(StreamWriter.acreate(self, name))
+        return self._call(StreamWriter.acreate(self, name), f"create stream {name}")
 
     async def astream_writer(self, name: str) -> StreamWriter:
         return await self._loop.acall(StreamWriter.acreate(self, name), self.timeout)
@@ -459,13 +737,13 @@ class Client:
 
     def delete_stream(self, name: str) -> None:
         """Delete the stream: every item in it is freed, reported or not."""
-        self._call(adelete_stream(self, name))
+        self._call(adelete_stream(self, name), f"delete stream {name}")
 
     # ------------------------------------------------------------ releases from finalizers
 
-    def _enqueue_release(self, kind: str, namespace: str, name: str, uid: str) -> None:
+    def _enqueue_release(self, kind: str, namespace: str, name: str, uid: str, via: str | None = None) -> None:
         """Called by a handle's finalizer: queue plain data, never block, never raise."""
-        self._releases.put((kind, namespace, name, uid))
+        self._releases.put((kind, namespace, name, uid, via))
         try:
             self._loop.loop.call_soon_threadsafe(self._release_event.set)
         except RuntimeError:
@@ -485,13 +763,71 @@ class Client:
     async def _drain_unlocked(self) -> None:
         while True:
             try:
-                kind, namespace, name, uid = self._releases.get_nowait()
+                release = self._releases.get_nowait()
             except queue.Empty:
                 return
+            kind, namespace, name, uid, via = release
+            if kind == "claim":
+                with self._reading_lock:
+                    if name in self._reading:
+                        self._deferred.setdefault(name, []).append(release)  # a fetch under it is in flight
+                        continue
             try:
-                await self._delete(kind, namespace, name, uid)
+                await self._process_release(kind, namespace, name, uid, via)
             except Exception as exc:
                 log.warning("release of %s %s/%s failed: %s", kind, namespace, name, exc)
+
+    async def _process_release(self, kind: str, namespace: str, name: str, uid: str, via: str | None) -> None:
+        if self._wb is None:
+            await self._delete(kind, namespace, name, uid)
+            return
+        # A hand-off: the source queued this claim, so the source takes its release (it may never
+        # have been recorded). If the source does not know it (restarted) or is gone, delete it here.
+        if kind == "claim" and via and via != self.agent.endpoint and await self._release_at_source(via, name):
+            return
+        outcome = self._wb.release(kind, namespace, name, uid)
+        if outcome.free_object_id is not None:
+            await self._free_local(outcome.free_object_id)
+
+    async def _free_local(self, object_id: str) -> None:
+        """Free an object of our own agent that nothing recorded (elided, or its record was refused)."""
+        await self.agent.afree(object_id)
+
+    async def _release_at_source(self, via: str, claim: str) -> bool:
+        import aiohttp
+
+        if self._http is None:
+            self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32))
+        token = self._token()
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        try:
+            async with self._http.post(
+                f"http://{via}{api.RELEASE_HANDOFF.path(claim=claim)}",
+                json={},
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=HANDOFF_RELEASE_TIMEOUT),
+            ) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            log.debug("hand-off release of %s at %s: %s; deleting it in the API", claim, via, exc)
+            return False
+
+    async def _handoff_sink(self, claim: str) -> bool:
+        """On the agent's loop: a receiver released a claim we made for it. Handled on our loop."""
+        return await asyncio.wrap_future(self._loop.submit(self._handoff_release(claim)))
+
+    async def _handoff_release(self, claim: str) -> bool:
+        if self._wb is None:
+            return False
+        found = self._wb.find("claim", self.namespace, claim)
+        if found is None:
+            return False
+        rec = found[1]
+        outcome = self._wb.release("claim", rec.namespace, claim, rec.uid)
+        if outcome.free_object_id is not None:
+            await self._free_local(outcome.free_object_id)
+        return True
 
     # ------------------------------------------------------------ shutdown
 
@@ -508,6 +844,13 @@ class Client:
         try:
             if self._loop.running:
                 self._loop.call(self._drain_releases(), timeout=min(self.timeout, 30))
+                if self._wb is not None:
+                    try:
+                        self._loop.call(self._wb.flush(min(self.timeout, 30)), timeout=min(self.timeout, 30) + 5)
+                    finally:
+                        self._loop.call(self._wb.close(), timeout=5)
+                if self._http is not None:
+                    self._loop.call(self._http.close(), timeout=5)
                 self._loop.call(self._kube.close(), timeout=5)
         except Exception as exc:
             log.warning("gpuobj client shutdown: %s", exc)

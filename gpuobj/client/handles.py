@@ -12,22 +12,11 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from gpuobj_contract.layouts import tensor_bytes
+from gpuobj_contract.layouts import TensorLayout
 
-
-@dataclass(frozen=True)
-class TensorLayout:
-    shape: tuple[int, ...]
-    dtype: str
-    device: str
-
-    def to_spec(self) -> dict:
-        return {"shape": list(self.shape), "dtype": self.dtype, "device": self.device}
-
-    @classmethod
-    def from_spec(cls, spec: dict) -> TensorLayout:
-        return cls(tuple(int(d) for d in spec.get("shape", [])), spec["dtype"], spec.get("device", "cpu"))
+__all__ = ["ObjectAddress", "ObjectRef", "SharedRef", "TensorLayout"]
 
 
 @dataclass(frozen=True)
@@ -44,10 +33,10 @@ class ObjectAddress:
 
     @property
     def bytes(self) -> int:
-        return tensor_bytes([t.to_spec() for t in self.layouts])
+        return sum(t.nbytes for t in self.layouts)
 
 
-ReleaseFn = Callable[[str, str, str, str], None]  # (kind, namespace, name, uid)
+ReleaseFn = Callable[..., None]  # (kind, namespace, name, uid, via): plain data only
 
 
 class ObjectRef:
@@ -58,7 +47,7 @@ class ObjectRef:
     "address" (an unowned copy, e.g. unpickled: releasing does nothing).
     """
 
-    __slots__ = ("__weakref__", "_finalizer", "address", "claim_name", "claim_uid", "kind")
+    __slots__ = ("__weakref__", "_finalizer", "_record", "address", "claim_name", "claim_uid", "grant", "kind", "via")
 
     def __init__(
         self,
@@ -68,17 +57,27 @@ class ObjectRef:
         *,
         claim_name: str | None = None,
         claim_uid: str | None = None,
+        record: Any = None,
+        grant: dict | None = None,
+        via: str | None = None,
     ) -> None:
         self.address = address
         self.kind = kind
         self.claim_name = claim_name
         self.claim_uid = claim_uid
+        self.grant = grant  # a read grant from the source (hand-off): fetch needs no request
+        self.via = via  # where a hand-off claim's release goes: the source agent that queued it
+        self._record = record  # the write-behind record, while this process writes it
         self._finalizer: weakref.finalize | None = None
         if release is not None and kind == "owner":
-            self._finalizer = weakref.finalize(self, release, "object", address.namespace, address.name, address.uid)
+            self._finalizer = weakref.finalize(
+                self, release, "object", address.namespace, address.name, address.uid, None
+            )
         elif release is not None and kind == "claim":
-            assert claim_name and claim_uid
-            self._finalizer = weakref.finalize(self, release, "claim", address.namespace, claim_name, claim_uid)
+            assert claim_name
+            self._finalizer = weakref.finalize(
+                self, release, "claim", address.namespace, claim_name, claim_uid or "", via
+            )
 
     @property
     def name(self) -> str:
@@ -92,6 +91,16 @@ class ObjectRef:
     def alive(self) -> bool:
         """True until released (explicitly, or when the handle was collected)."""
         return self._finalizer is not None and self._finalizer.alive
+
+    @property
+    def pending(self) -> bool:
+        """True while an API write about this reference (its record, or its release) has not landed."""
+        return bool(self._record is not None and self._record.pending)
+
+    @property
+    def failed(self) -> BaseException | None:
+        """Why the API refused to record this reference (its bytes were freed), else None."""
+        return None if self._record is None else self._record.failed
 
     def release(self) -> None:
         """Drop this reference now. Idempotent."""
@@ -127,6 +136,8 @@ class SharedRef:
 
     address: ObjectAddress
     claim_name: str
-    claim_uid: str
+    claim_uid: str  # "" while the source's write-behind has not recorded the claim
     holder_pod: str
     read_once: bool = False  # the receiver's handle releases itself after its first completed fetch
+    grant: dict | None = None  # read grant from the source: a fetch needs no request (see agent store.grant)
+    release_via: str | None = None  # the source agent that takes this claim's release

@@ -134,12 +134,17 @@ class KubeClient:
 
     def _headers(self, content_type: str | None = None) -> dict[str, str]:
         headers = {"Accept": "application/json"}
-        token = self.config.bearer()
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
+        authorization = self.config.authorization()
+        if authorization:
+            headers["Authorization"] = authorization
         if content_type:
             headers["Content-Type"] = content_type
         return headers
+
+    async def _fresh_credentials(self) -> None:
+        """Reload expired credentials off the event loop: an exec plugin may take a while to answer."""
+        if self.config.needs_refresh():
+            await asyncio.to_thread(self.config.credentials)
 
     @staticmethod
     async def _raise_for(resp: aiohttp.ClientResponse) -> None:
@@ -164,10 +169,13 @@ class KubeClient:
         timeout: float | None = None,
     ) -> dict:
         """One API call. A 429 (priority and fairness, a CRD's cache warming up) is retried after
-        its Retry-After, as client-go does, within the same deadline."""
+        its Retry-After, as client-go does, within the same deadline; a 401 once, with credentials
+        loaded again (an expired exec-plugin token, a rotated token file)."""
         data = None if body is None else (body if isinstance(body, str | bytes) else json.dumps(body))
         deadline = asyncio.get_running_loop().time() + (timeout or self.request_timeout)
+        reauthenticated = False
         while True:
+            await self._fresh_credentials()
             left = deadline - asyncio.get_running_loop().time()
             try:
                 async with self.session.request(
@@ -183,6 +191,10 @@ class KubeClient:
                         if asyncio.get_running_loop().time() + delay < deadline:
                             await asyncio.sleep(delay)
                             continue
+                    if resp.status == 401 and not reauthenticated:
+                        reauthenticated = True
+                        await asyncio.to_thread(self.config.invalidate)
+                        continue
                     await self._raise_for(resp)
                     if resp.status == 204:
                         return {}
@@ -297,6 +309,7 @@ class KubeClient:
         timeout_seconds: int = 300,
     ) -> AsyncIterator[tuple[str, dict]]:
         """Yield (type, object) until the server ends the watch; raises Gone when the version is too old."""
+        await self._fresh_credentials()
         params = {
             "watch": "true",
             "allowWatchBookmarks": "true",
@@ -313,6 +326,8 @@ class KubeClient:
                 total=None, sock_connect=self.request_timeout, sock_read=timeout_seconds + 30
             ),
         ) as resp:
+            if resp.status == 401:  # the caller watches again, with credentials loaded again
+                await asyncio.to_thread(self.config.invalidate)
             await self._raise_for(resp)
             async for raw in resp.content:
                 line = raw.strip()

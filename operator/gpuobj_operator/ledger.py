@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from gpuobj_contract import names
 from gpuobj_operator.liveness import Liveness
 from gpuobj_operator.model import ClaimInfo, Key, ObjectInfo, PodInfo, StreamInfo
+from gpuobj_operator.statuses import condition, now_str
 
 # ---------------------------------------------------------------- actions
 
@@ -53,6 +54,7 @@ class Materialize(Action):
     uid: str
     endpoint: str
     object_id: str
+    pod_uid: str = ""
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class Free(Action):
     endpoint: str
     bytes: int
     reason: str
+    pod_uid: str = ""  # the agent must serve this pod (checked by the agent on the same call)
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,7 @@ class FinishStream(Action):
     key: Key
     uid: str
     producer_endpoint: str | None
+    producer_uid: str = ""
 
 
 @dataclass(frozen=True)
@@ -146,29 +150,6 @@ class Emit(Action):
     type: str
     reason: str
     message: str
-
-
-# ---------------------------------------------------------------- conditions
-
-
-def condition(
-    existing: list[dict], ctype: str, status: str, reason: str, message: str, generation: int, now: str
-) -> dict:
-    """A condition in the API conventions' shape; the transition time moves only when status does."""
-    previous = next((c for c in existing if c.get("type") == ctype), None)
-    since = previous["lastTransitionTime"] if previous and previous.get("status") == status else now
-    return {
-        "type": ctype,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "observedGeneration": generation,
-        "lastTransitionTime": since,
-    }
-
-
-def now_str(now: dt.datetime) -> str:
-    return now.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass
@@ -321,8 +302,19 @@ class Ledger:
                 continue
             if claim.object_uid and claim.object_uid != obj.uid:
                 continue
+            if claim.shared_by is not None and claim.shared_by != obj.source_pod:
+                continue  # only the source may claim on a receiver's behalf (admission checks the sharer)
             result.append(claim)
         return result
+
+    def siblings(self, obj: ObjectInfo) -> list[ObjectInfo]:
+        """Other GPUObjects naming the same bytes (source pod and object id). The client library never
+        makes two; a copy made to have the original freed on its delete must never free them."""
+        return [
+            o
+            for k in self._objects_by_pod.get((obj.namespace, obj.source_pod), ())
+            if (o := self.objects[k]).uid != obj.uid and o.object_id == obj.object_id
+        ]
 
     def references(self, obj: ObjectInfo) -> int:
         return len(self.live_claims(obj)) + (0 if obj.deleting else 1)
@@ -459,8 +451,15 @@ class Ledger:
                 return []  # not ours to hold; the API server removes it
             if claims:
                 return self._status_actions(obj, verdict, claims, now)
+            if self.siblings(obj):
+                message = f"another GPUObject names object {obj.object_id} of pod {obj.source_pod}; not freed"
+                return [
+                    Emit("GPUObject", obj.key, obj.uid, "Warning", "DuplicateObjectId", message),
+                    ReleaseWithoutFree(obj.key, obj.uid, "DuplicateObjectId"),
+                ]
             if verdict.available and obj.materialized:
-                return [Free(obj.key, obj.uid, obj.object_id, verdict.pod.endpoint, obj.bytes, "OutOfScope")]  # type: ignore[union-attr]
+                pod = verdict.pod
+                return [Free(obj.key, obj.uid, obj.object_id, pod.endpoint, obj.bytes, "OutOfScope", pod.uid)]  # type: ignore[union-attr,arg-type]
             if verdict.reason == "AgentEndpointUnknown" and obj.materialized:
                 return self._status_actions(obj, verdict, claims, now)  # wait for the pod's address
             return [
@@ -490,7 +489,7 @@ class Ledger:
                 actions.append(DeleteObject(obj.key, obj.uid, "Lost", f"{verdict.message}; no claim remains"))
             return actions
         if obj.declared and not obj.materialized and verdict.available and obj.state != names.STATE_FAILED:
-            return [Materialize(obj.key, obj.uid, verdict.pod.endpoint, obj.object_id)]  # type: ignore[union-attr]
+            return [Materialize(obj.key, obj.uid, verdict.pod.endpoint, obj.object_id, verdict.pod.uid)]  # type: ignore[union-attr]
         return self._status_actions(obj, verdict, claims, now)
 
     @staticmethod
@@ -659,7 +658,7 @@ class Ledger:
                 return []  # wait for the items' frees
             producer = self.pods.get((stream.namespace, stream.producer_pod))
             endpoint = producer.endpoint if producer and not producer.terminated else None
-            return [FinishStream(stream.key, stream.uid, endpoint)]
+            return [FinishStream(stream.key, stream.uid, endpoint, producer.uid if endpoint and producer else "")]
         emitted = max((i.stream[1] + 1 for i in items if i.stream), default=0)
         desired = {
             "observedGeneration": 1,

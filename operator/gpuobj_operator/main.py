@@ -46,7 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--namespace", default=env("GPUOBJ_WATCH_NAMESPACE") or None, help="watch one namespace (default: all)"
     )
-    p.add_argument("--token-file", default=env(names.TOKEN_ENV), help="bearer token file for agents' control servers")
+    p.add_argument(
+        "--token-file",
+        default=env(names.TOKEN_ENV),
+        help=f"the operator's projected ServiceAccount token (audience {names.AGENT_AUDIENCE}), presented to agents",
+    )
+    p.add_argument(
+        "--allow-agent-host-annotation",
+        action="store_true",
+        default=env("GPUOBJ_ALLOW_AGENT_HOST_ANNOTATION", "") == "true",
+        help=f"call agents at the host a pod's {names.ANNOTATION_AGENT_HOST} annotation names instead of its "
+        "status.podIP (dev clusters without a pod network only: a workload could point it anywhere)",
+    )
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument(
         "--metrics-port",
@@ -119,16 +130,22 @@ def build_registry(reconciler: Reconciler, config: KubeConfig) -> kopf.OperatorR
 
     @kopf.on.login(registry=registry)
     def login(**_):
-        # The same credentials as our own client (--kubeconfig or in-cluster), re-read for rotated tokens.
+        # The same credentials as our own client (the `kubernetes` package's loaders: kubeconfig with exec
+        # plugins or auth-providers, or in-cluster). kopf logs in again after a 401 or at `expiration`, and
+        # each login loads the credentials anew (a new exec run, a re-read token file).
+        config.invalidate()
+        creds = config.credentials()
+        scheme, _, token = (creds.authorization or "").partition(" ")
         return kopf.ConnectionInfo(
-            server=config.server,
-            ca_path=config.ca_path,
-            insecure=config.insecure or None,
-            certificate_path=config.cert_path,
-            private_key_path=config.key_path,
-            scheme="Bearer" if config.bearer() else None,
-            token=config.bearer(),
-            default_namespace=config.namespace,
+            server=creds.server,
+            ca_path=creds.ca_path,
+            insecure=creds.insecure or None,
+            certificate_path=creds.cert_path,
+            private_key_path=creds.key_path,
+            scheme=scheme or None,
+            token=token or None,
+            default_namespace=creds.namespace,
+            expiration=creds.expiry,
         )
 
     @kopf.on.event(names.GROUP, names.VERSION, names.PLURAL_OBJECT, registry=registry)
@@ -211,6 +228,7 @@ async def run(args: argparse.Namespace) -> int:
         liveness_interval=args.liveness_interval,
         may_act=elector.holds_lease,
         namespace=args.namespace,
+        allow_agent_host_annotation=args.allow_agent_host_annotation,
     )
     reconciler_box.append(reconciler)
     events.start()

@@ -107,6 +107,7 @@ class ClaimInfo:
     ttl_seconds: int | None = None  # spec.ttlSeconds: deleted that long after creation
     created: dt.datetime | None = None  # metadata.creationTimestamp
     owner_pods: dict[str, str] = field(default_factory=dict)  # ownerReferences to Pods: name -> uid
+    shared_by: str | None = None  # annotation gpuobj.io/shared-by: the pod that claimed for the holder
     deleting: bool = False
     resource_version: str = ""
     status: dict = field(default_factory=dict)
@@ -152,11 +153,13 @@ def _timestamp(value: str | None) -> dt.datetime | None:
         return None
 
 
-def parse_pod(obj: dict) -> PodInfo:
+def parse_pod(obj: dict, *, allow_host_annotation: bool = False) -> PodInfo:
+    """The pod's agent is at its own status.podIP: the operator's token goes nowhere else. Only a
+    dev cluster without a pod network (allow_host_annotation) may name another host by annotation."""
     meta = _meta(obj)
     ann = meta.get("annotations") or {}
     status = obj.get("status") or {}
-    host = ann.get(names.ANNOTATION_AGENT_HOST) or status.get("podIP")
+    host = (ann.get(names.ANNOTATION_AGENT_HOST) if allow_host_annotation else None) or status.get("podIP")
     port = ann.get(names.ANNOTATION_AGENT_PORT)
     if not port:
         for container in (obj.get("spec") or {}).get("containers", []):
@@ -217,6 +220,7 @@ def parse_claim(obj: dict) -> ClaimInfo:
         ttl_seconds=int(spec["ttlSeconds"]) if spec.get("ttlSeconds") else None,
         created=_timestamp(meta.get("creationTimestamp")),
         owner_pods=owners,
+        shared_by=(meta.get("annotations") or {}).get(names.ANNOTATION_SHARED_BY),
         deleting=bool(meta.get("deletionTimestamp")),
         resource_version=meta.get("resourceVersion", ""),
         status=dict(obj.get("status") or {}),

@@ -45,8 +45,8 @@ def test_put_share_fetch_release_frees_on_the_source(
     gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
 ) -> None:
     src, reader = pods.workload("src"), pods.workload("reader")
-    src.run(f"t = {ARANGE.format(n=1 << 18)}; ref = client.put([t], name='weights')")
-    # put recorded the GPUObject, with the finalizer, before it returned.
+    src.run(f"t = {ARANGE.format(n=1 << 18)}; ref = client.put([t], name='weights'); client.flush()")
+    # put queued the GPUObject, with the finalizer (write-behind); flush waited until it was recorded.
     created = kube(gpuobj_cluster, lambda k: k.get(GPUOBJECTS, "weights", namespace))
     assert names.FINALIZER_FREE in created["metadata"]["finalizers"]
     assert created["spec"]["source"] == {

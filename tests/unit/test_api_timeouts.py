@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import ssl
 import threading
 
 import pytest
@@ -47,7 +46,7 @@ def silent_server():
 
 def test_a_request_without_an_answer_raises_api_timeout_naming_it(silent_server: str) -> None:
     async def go() -> None:
-        config = KubeConfig(server=silent_server, ssl_context=ssl.create_default_context())
+        config = KubeConfig.static(silent_server)
         kube = KubeClient(config, request_timeout=0.2)
         try:
             await kube.get(GPUOBJECTS, "w", "ml")

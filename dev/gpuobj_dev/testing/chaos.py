@@ -8,7 +8,8 @@ the schedule (the timing of real processes still varies).
 
 Faults: SIGKILL, container restart (the process dies, the Pod object stays), SIGSTOP and pod
 deletion of a lifecycle's reader or source; SIGKILL and SIGSTOP of the operator (restarted when
-it exits, as a Deployment would); a kube-apiserver restart and an etcd restart.
+it exits, as a Deployment would); a kube-apiserver restart and an etcd restart; and the owner's and
+the reader's releases made while the API server is down (the client's write-behind must land them).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ FAULTS = (
     "operator-stop",
     "apiserver-restart",
     "etcd-restart",
+    "releases-in-outage",
 )
 # After which step the fault strikes: 1 put, 2 borrow + fetch, 3 owner's release (4, the reader's release, ends it).
 POINTS = (1, 2, 3)

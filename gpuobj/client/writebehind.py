@@ -1,0 +1,447 @@
+"""Write-behind: the client's GPUObject and claim writes leave the caller's path.
+
+Why: a lifecycle cycle used to wait for four API writes in series (create object, create
+claim, delete claim, delete object). Here `put`, `share` and `release` only queue their
+writes and return; the queue sends them in the background. What must still hold:
+
+- Order per object. An object and the claims this process makes for it form a *family*
+  whose writes go out one after another, in the order they were queued: the object is
+  created before a claim on it, and a hand-off's claim is created before the sender's
+  release of the object is sent (DESIGN, Borrow). Families are sent concurrently
+  (pipelined), so one slow object never holds up the others.
+- Elision. A family's first write waits `window` seconds. If every reference in it is
+  released before that (put, hand-off, fetch, release all inside the window), none of its
+  writes is sent and the object is freed at once by the caller; while it lived it was in
+  the agent's inventory and metrics like any object, so the audit saw its bytes.
+- Never drop a write. Failures that may pass (connection refused, timeouts, 5xx, 429) are
+  retried with backoff, in order, until the write lands or the process exits. A create the
+  API refuses for good (400/403/422) fails its family: the caller frees the bytes (nothing
+  can reference them) and the handle says so. A delete (a release) is retried whatever the
+  refusal: an API server that has just restarted answers 403 until its RBAC cache is filled.
+- Bounded memory and backpressure: at most `max_pending` writes wait. A create that finds
+  the queue full waits for room, and after `backpressure_timeout` raises
+  WriteBehindFullError naming the last API error. Releases are never refused (a release is
+  bounded by the handles that exist).
+
+The decisions are plain Python over Family/Record; only `_send` does I/O (the KubeClient).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuobj.client.errors import GpuObjError, NameTakenError
+from gpuobj_kube.client import CLAIMS, GPUOBJECTS, ApiError, Conflict, KubeClient, NotFound
+
+log = logging.getLogger("gpuobj.client.writebehind")
+
+DEFAULT_WINDOW = 0.1
+DEFAULT_MAX_PENDING = 10_000
+DEFAULT_CONCURRENCY = 16
+BACKOFF_START = 0.05
+BACKOFF_MAX = 2.0
+PERMANENT = (400, 403, 422)  # the API refuses this write for good: retrying cannot help
+
+
+class WriteBehindFullError(GpuObjError):
+    """Too many API writes are waiting: the API server is slow or unreachable."""
+
+
+class WriteFailedError(GpuObjError):
+    """The API server refused to record an object or claim; its bytes were freed."""
+
+
+@dataclass(eq=False)
+class Record:
+    """One API object (GPUObject or claim) this process writes, and what is known of it."""
+
+    kind: str  # "object" | "claim"
+    namespace: str
+    name: str
+    uid: str = ""  # known once its create landed
+    queued: int = 0  # writes about it not yet landed (the handle's `pending`)
+    live: bool = True  # its reference is still held
+    created: bool = False
+    failed: BaseException | None = None
+    landed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def pending(self) -> bool:
+        return self.queued > 0
+
+
+@dataclass(eq=False)
+class Write:
+    verb: str  # "create" | "delete"
+    record: Record
+    body: dict | None = None
+
+
+@dataclass(eq=False)
+class Family:
+    """An object and the claims this process made for it: written in order."""
+
+    namespace: str
+    object_name: str
+    born: float
+    object_id: str | None = None  # a local object (this process is its source): freed by us if elided
+    writes: deque[Write] = field(default_factory=deque)
+    records: dict[str, Record] = field(default_factory=dict)  # by (kind:name)
+    started: bool = False  # a write went to the API: elision is no longer possible
+    running: bool = False
+    failed: BaseException | None = None
+
+    @property
+    def live(self) -> bool:
+        return any(r.live for r in self.records.values())
+
+    @property
+    def object_record(self) -> Record | None:
+        return self.records.get(f"object:{self.object_name}")
+
+
+@dataclass(frozen=True)
+class ReleaseOutcome:
+    """What the caller must do after a release: free an elided local object, or nothing."""
+
+    elided: bool
+    free_object_id: str | None = None
+
+
+FreeFn = Callable[[str], Awaitable[Any]]
+
+
+class WriteBehind:
+    """The queue. All methods run on the client's loop."""
+
+    def __init__(
+        self,
+        kube: KubeClient,
+        *,
+        free_local: FreeFn,
+        window: float = DEFAULT_WINDOW,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        backpressure_timeout: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.kube = kube
+        self.free_local = free_local
+        self.window = window
+        self.max_pending = max_pending
+        self.backpressure_timeout = backpressure_timeout
+        self.clock = clock
+        self.families: dict[tuple[str, str], Family] = {}
+        self._index: dict[tuple[str, str, str], Family] = {}  # (kind, namespace, name) -> family
+        self.pending_writes = 0
+        self.last_error: str | None = None
+        self.failing_since: float | None = None
+        self.counts = {"sent": 0, "elided_families": 0, "retries": 0, "failed": 0}
+        self._sem = asyncio.Semaphore(concurrency)
+        self._changed = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._timers: set[asyncio.TimerHandle] = set()
+        self._closed = False
+
+    # -- queueing (pure bookkeeping, then a kick) ---------------------------------------
+    async def _wait_room(self) -> None:
+        if self.pending_writes < self.max_pending:
+            return
+        deadline = self.clock() + self.backpressure_timeout
+        while self.pending_writes >= self.max_pending:
+            left = deadline - self.clock()
+            if left <= 0:
+                since = "" if self.failing_since is None else f" for {self.clock() - self.failing_since:.1f}s"
+                raise WriteBehindFullError(
+                    f"{self.pending_writes} API writes are waiting (limit {self.max_pending}); the API server"
+                    f" has not kept up{since} (last error: {self.last_error or 'none, it is slow'}). "
+                    "Nothing was dropped: release objects or retry once the API server answers."
+                )
+            await self._wait_change(left)
+
+    def _family(self, namespace: str, object_name: str) -> Family:
+        key = (namespace, object_name)
+        fam = self.families.get(key)
+        if fam is None:
+            fam = Family(namespace, object_name, self.clock())
+            self.families[key] = fam
+            self._schedule(fam, self.window)
+        return fam
+
+    def _queue(self, fam: Family, write: Write) -> None:
+        fam.writes.append(write)
+        write.record.queued += 1
+        write.record.landed.clear()
+        self.pending_writes += 1
+        if fam.started:
+            self._kick(fam)
+
+    async def create_object(self, namespace: str, name: str, body: dict, object_id: str) -> Record:
+        """Queue a GPUObject create; returns its record at once (after backpressure, if full)."""
+        await self._wait_room()
+        if (namespace, name) in self.families:
+            raise NameTakenError(
+                f"GPUObject {namespace}/{name}: this process already holds an object of that name; "
+                "choose another name (or omit it for a generated one)"
+            )
+        fam = self._family(namespace, name)
+        fam.object_id = object_id
+        rec = Record("object", namespace, name)
+        self._add(fam, rec)
+        self._queue(fam, Write("create", rec, body))
+        return rec
+
+    async def create_claim(self, namespace: str, object_name: str, claim_name: str, body: dict) -> Record:
+        """Queue a claim create, ordered after its object's create when this process queued that."""
+        await self._wait_room()
+        fam = self._family(namespace, object_name)
+        if fam.failed is not None:
+            raise WriteFailedError(f"GPUObject {namespace}/{object_name} could not be recorded: {fam.failed}")
+        rec = Record("claim", namespace, claim_name)
+        self._add(fam, rec)
+        self._queue(fam, Write("create", rec, body))
+        return rec
+
+    def find(self, kind: str, namespace: str, name: str) -> tuple[Family, Record] | None:
+        fam = self._index.get((kind, namespace, name))
+        if fam is None or self.families.get((fam.namespace, fam.object_name)) is not fam:
+            return None
+        rec = fam.records.get(f"{kind}:{name}")
+        return None if rec is None else (fam, rec)
+
+    def _add(self, fam: Family, rec: Record) -> None:
+        fam.records[f"{rec.kind}:{rec.name}"] = rec
+        self._index[(rec.kind, rec.namespace, rec.name)] = fam
+
+    def _forget(self, fam: Family) -> None:
+        if self.families.get((fam.namespace, fam.object_name)) is fam:
+            del self.families[(fam.namespace, fam.object_name)]
+        for rec in fam.records.values():
+            if self._index.get((rec.kind, rec.namespace, rec.name)) is fam:
+                del self._index[(rec.kind, rec.namespace, rec.name)]
+
+    def release(
+        self, kind: str, namespace: str, name: str, uid: str = "", object_name: str | None = None
+    ) -> ReleaseOutcome:
+        """Drop a reference: cancel its unsent create (elision) or queue its delete. Never refused."""
+        found = self.find(kind, namespace, name)
+        if found is None:
+            # Not ours (or from before a restart of this client): a plain, ordered, retried delete.
+            fam = Family(namespace, f"{kind}:{name}:{id(self)}", self.clock(), started=True)
+            self.families[(namespace, fam.object_name)] = fam
+            rec = Record(kind, namespace, name, uid=uid, created=True, live=False)
+            fam.records[f"{kind}:{name}"] = rec  # not indexed: a later release of the same name is its own
+            self._queue(fam, Write("delete", rec))
+            return ReleaseOutcome(False)
+        fam, rec = found
+        if not rec.live:
+            return ReleaseOutcome(False)  # idempotent
+        rec.live = False
+        if not fam.started and fam.failed is None and not fam.live:
+            # The whole family lived inside the window: none of its writes went out. Take them back.
+            self._drop(fam)
+            self.counts["elided_families"] += 1
+            return ReleaseOutcome(True, fam.object_id)
+        if fam.failed is not None:  # never recorded, and its bytes were freed already
+            if not fam.live and not fam.running:
+                self._forget(fam)
+            return ReleaseOutcome(False)
+        self._queue(fam, Write("delete", rec))
+        return ReleaseOutcome(False)
+
+    def _drop(self, fam: Family) -> None:
+        for w in fam.writes:
+            self._landed(w)
+        fam.writes.clear()
+        self._forget(fam)
+        self._notify()
+
+    def _landed(self, w: Write) -> None:
+        w.record.queued -= 1
+        if w.record.queued <= 0:
+            w.record.queued = 0
+            w.record.landed.set()
+        self.pending_writes -= 1
+        self._notify()
+
+    # -- sending ------------------------------------------------------------------------
+    def _schedule(self, fam: Family, delay: float) -> None:
+        loop = asyncio.get_running_loop()
+        handle: asyncio.TimerHandle | None = None
+
+        def fire() -> None:
+            self._timers.discard(handle)  # type: ignore[arg-type]
+            self._start(fam)
+
+        handle = loop.call_later(delay, fire)
+        self._timers.add(handle)
+
+    def _start(self, fam: Family) -> None:
+        if self.families.get((fam.namespace, fam.object_name)) is not fam:
+            return  # elided or done
+        fam.started = True
+        self._kick(fam)
+
+    def _kick(self, fam: Family) -> None:
+        if fam.running or not fam.writes or self._closed:
+            return
+        fam.running = True
+        task = asyncio.get_running_loop().create_task(self._run(fam), name=f"gpuobj-write-{fam.object_name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, fam: Family) -> None:
+        try:
+            async with self._sem:
+                while fam.writes:
+                    w = fam.writes[0]
+                    ok = await self._send_retrying(fam, w)
+                    if fam.writes and fam.writes[0] is w:
+                        fam.writes.popleft()
+                        self._landed(w)
+                    if not ok:
+                        await self._fail(fam)
+                        break
+        finally:
+            fam.running = False
+            if not fam.writes and not fam.live:
+                self._forget(fam)
+            self._notify()
+
+    async def _fail(self, fam: Family) -> None:
+        """A create was refused for good: nothing can reference the object, so free it and drop the rest."""
+        self.counts["failed"] += 1
+        for w in list(fam.writes):
+            if w.verb == "create" or w.record.created is False:
+                w.record.failed = fam.failed
+        for w in fam.writes:
+            self._landed(w)
+        fam.writes.clear()
+        rec = fam.object_record
+        if fam.object_id is not None and rec is not None and not rec.created:
+            with contextlib.suppress(Exception):
+                await self.free_local(fam.object_id)
+
+    async def _send_retrying(self, fam: Family, w: Write) -> bool:
+        delay = BACKOFF_START
+        while True:
+            try:
+                await self._send(fam, w)
+                self.counts["sent"] += 1
+                self.failing_since = None
+                return True
+            except ApiError as exc:
+                # A release is never given up: a 403 also comes from an API server that has just restarted
+                # and whose RBAC cache is not filled yet (seen in the chaos suite), so deletes keep retrying.
+                if w.verb != "delete" and (exc.status in PERMANENT or (exc.status == 404 and w.verb == "create")):
+                    log.error(
+                        "gpuobj: the API server refused %s %s %s/%s: %s",
+                        w.verb,
+                        w.record.kind,
+                        w.record.namespace,
+                        w.record.name,
+                        exc,
+                    )
+                    fam.failed = w.record.failed = WriteFailedError(
+                        f"{w.verb} of {w.record.kind} {w.record.namespace}/{w.record.name} refused: {exc}"
+                    )
+                    return False
+                self._note_failure(exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # connection refused, reset, timeout: the API server may come back
+                self._note_failure(exc)
+            self.counts["retries"] += 1
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, BACKOFF_MAX)
+
+    def _note_failure(self, exc: BaseException) -> None:
+        self.last_error = f"{type(exc).__name__}: {exc}"[:300]
+        if self.failing_since is None:
+            self.failing_since = self.clock()
+            log.warning("gpuobj: API writes are failing, retrying with backoff: %s", self.last_error)
+
+    async def _send(self, fam: Family, w: Write) -> None:
+        rec = w.record
+        res = GPUOBJECTS if rec.kind == "object" else CLAIMS
+        if w.verb == "create":
+            assert w.body is not None
+            body = w.body
+            obj_rec = fam.object_record
+            if rec.kind == "claim" and obj_rec is not None and obj_rec.uid:
+                body["spec"]["objectUID"] = obj_rec.uid  # pin the incarnation we created
+            try:
+                created = await self.kube.create(res, body, rec.namespace)
+            except Conflict as exc:
+                if not exc.already_exists:
+                    raise
+                # An earlier try landed but its answer was lost: take it if it is ours.
+                created = await self.kube.get(res, rec.name, rec.namespace)
+                if created.get("spec") != body.get("spec") and not _same_spec(created, body):
+                    raise
+            rec.uid = created["metadata"]["uid"]
+            rec.created = True
+        else:
+            try:
+                await self.kube.delete(res, rec.name, rec.namespace, uid=rec.uid or None)
+            except (NotFound, Conflict):
+                pass  # already gone, or a successor of the same name that is not ours
+
+    # -- waiting --------------------------------------------------------------------------
+    def _notify(self) -> None:
+        # Wakes every current waiter (their futures are resolved by set), then re-arms.
+        self._changed.set()
+        self._changed.clear()
+
+    async def _wait_change(self, left: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(left):
+                await self._changed.wait()
+
+    async def flush(self, timeout: float) -> None:
+        """Send everything queued now (windows cut short) and wait until it landed."""
+        for fam in list(self.families.values()):
+            if not fam.started:
+                self._start(fam)
+        deadline = self.clock() + timeout
+        while self.pending_writes > 0:
+            left = deadline - self.clock()
+            if left <= 0:
+                raise TimeoutError(
+                    f"{self.pending_writes} API writes still pending after {timeout:g}s"
+                    f" (last error: {self.last_error or 'none'})"
+                )
+            await self._wait_change(min(left, 0.5))
+
+    async def close(self) -> None:
+        """Stop sending (what is still queued is lost with the process, as documented)."""
+        self._closed = True
+        for h in list(self._timers):
+            h.cancel()
+        self._timers.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "pending": self.pending_writes,
+            "families": len(self.families),
+            "lastError": self.last_error,
+            **self.counts,
+        }
+
+
+def _same_spec(created: dict, body: dict) -> bool:
+    a, b = dict(created.get("spec") or {}), dict(body.get("spec") or {})
+    a.pop("objectUID", None)
+    b.pop("objectUID", None)
+    return a.get("objectId", a.get("objectName")) == b.get("objectId", b.get("objectName"))
