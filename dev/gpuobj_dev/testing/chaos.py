@@ -337,11 +337,12 @@ class Chaos:
             self.cluster.cluster.stop_component(component)
             started = time.monotonic()
             if fault == "apiserver-restart":
-                # A put during the outage fails cleanly: the error reaches the caller, the bytes are freed.
+                # A put during the outage fails cleanly (the error reaches the caller, the bytes are freed),
+                # or a write-behind client accepts it; either way nothing of it may be left in the end.
                 src.run(
                     "try:\n"
                     "    client.put([torch.ones(4)], name='during-outage')\n"
-                    "    outage_put = 'recorded?'\n"
+                    "    outage_put = 'accepted (write-behind), then dropped'\n"
                     "except Exception as e:\n"
                     "    outage_put = type(e).__name__",
                     timeout=90,
