@@ -16,7 +16,8 @@ writes and return; the queue sends them in the background. What must still hold:
 - Never drop a write. Failures that may pass (connection refused, timeouts, 5xx, 429) are
   retried with backoff, in order, until the write lands or the process exits. A create the
   API refuses for good (400/403/422) fails its family: the caller frees the bytes (nothing
-  can reference them) and the handle says so.
+  can reference them) and the handle says so. A delete (a release) is retried whatever the
+  refusal: an API server that has just restarted answers 403 until its RBAC cache is filled.
 - Bounded memory and backpressure: at most `max_pending` writes wait. A create that finds
   the queue full waits for room, and after `backpressure_timeout` raises
   WriteBehindFullError naming the last API error. Releases are never refused (a release is
@@ -337,7 +338,9 @@ class WriteBehind:
                 self.failing_since = None
                 return True
             except ApiError as exc:
-                if exc.status in PERMANENT or (exc.status == 404 and w.verb == "create"):
+                # A release is never given up: a 403 also comes from an API server that has just restarted
+                # and whose RBAC cache is not filled yet (seen in the chaos suite), so deletes keep retrying.
+                if w.verb != "delete" and (exc.status in PERMANENT or (exc.status == 404 and w.verb == "create")):
                     log.error(
                         "gpuobj: the API server refused %s %s %s/%s: %s",
                         w.verb,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import time
 from dataclasses import dataclass
 
 from gpuobj_kube.client import LEASES, Conflict, KubeClient, NotFound
@@ -48,6 +49,7 @@ class LeaderElector:
         self.kube = kube
         self.config = config
         self.is_leader = False
+        self._held_until = float("-inf")  # monotonic: the lease is surely ours until then
 
     def _spec(self, acquire: dt.datetime | None, transitions: int) -> dict:
         now = _now()
@@ -100,9 +102,19 @@ class LeaderElector:
         self.is_leader = True
         log.info("acquired lease %s/%s as %s", self.config.namespace, self.config.name, self.config.identity)
 
+    def holds_lease(self) -> bool:
+        """True while the lease is surely ours: less than a lease duration since the start of the last
+        successful renewal. False after a pause (SIGSTOP, a long GC) that outlived it, until renewed:
+        a replica that may have been replaced never frees on what it knew before."""
+        return self.is_leader and time.monotonic() < self._held_until
+
     async def _attempt(self) -> bool:
+        sent = time.monotonic()
         try:
-            return await asyncio.wait_for(self.try_acquire(), timeout=self.config.renew_seconds)
+            ok = await asyncio.wait_for(self.try_acquire(), timeout=self.config.renew_seconds)
+            if ok:
+                self._held_until = sent + self.config.lease_seconds
+            return ok
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # any failure to renew counts against the lease, never kills the elector

@@ -226,6 +226,7 @@ async def run(args: argparse.Namespace) -> int:
         resync_interval=args.resync_interval,
         status_delay=args.status_delay,
         liveness_interval=args.liveness_interval,
+        may_act=elector.holds_lease,
         namespace=args.namespace,
         allow_agent_host_annotation=args.allow_agent_host_annotation,
     )

@@ -77,6 +77,7 @@ class Reconciler:
         liveness_interval: float = 1.0,
         liveness_max_backoff: float = 8.0,
         probe_timeout: float = 2.0,
+        may_act: Callable[[], bool] | None = None,
     ) -> None:
         self.allow_agent_host_annotation = allow_agent_host_annotation
         self.kube = kube
@@ -84,7 +85,8 @@ class Reconciler:
         self.metrics = metrics
         self.events = events
         self.ledger = Ledger()
-        self.queue = WorkQueue()
+        # Retries back off to 5 s at most: after an API outage every item is tried again within seconds.
+        self.queue = WorkQueue(max_delay=5.0)
         self.workers = workers
         self.leak_settle_seconds = leak_settle_seconds
         self.leak_grace_seconds = leak_grace_seconds
@@ -102,6 +104,7 @@ class Reconciler:
         self.liveness_max_backoff = liveness_max_backoff
         self.probe_timeout = probe_timeout
         self._probe_due: dict[Key, float] = {}
+        self.may_act = may_act or (lambda: True)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -216,6 +219,11 @@ class Reconciler:
             finally:
                 self.queue.done(item)
 
+    def _must_lead(self) -> None:
+        """Before anything that frees or deletes: a paused leader may have been replaced meanwhile."""
+        if not self.may_act():
+            raise RetryLater("the leader lease is not confirmed since a pause; not acting on what we knew")
+
     async def execute(self, action: Action) -> None:
         """Run one action: a table from action type to its executor, checked when the class is built."""
         await self._executors[type(action)](self, action)
@@ -294,6 +302,7 @@ class Reconciler:
     async def _do_Free(self, a: Free) -> None:
         if a.uid in self._freed:
             return  # freed already; the DELETED event is on its way
+        self._must_lead()
         # 1. Quorum re-check of the claims: the caches of two watches may disagree for a moment.
         fresh = await self.kube.list(CLAIMS, a.key[0], field_selector=f"spec.objectName={a.key[1]}")
         now = time.monotonic()
@@ -343,6 +352,7 @@ class Reconciler:
     async def _do_ReleaseWithoutFree(self, a: ReleaseWithoutFree) -> None:
         if a.uid in self._freed:
             return  # released already; the DELETED event is on its way
+        self._must_lead()
         removed = await self._remove_finalizer(GPUOBJECTS, a.key, a.uid)
         self._freed.add(a.uid)
         self.ledger.ref_gone_at.pop(a.key, None)
@@ -390,6 +400,7 @@ class Reconciler:
         raise RetryLater(f"could not remove the finalizer of {key[0]}/{key[1]}")
 
     async def _do_DeleteObject(self, a: DeleteObject) -> None:
+        self._must_lead()
         try:
             response = await self.kube.delete(GPUOBJECTS, a.key[1], a.key[0], uid=a.uid)
         except (NotFound, Conflict):
@@ -457,6 +468,7 @@ class Reconciler:
         self.on_claim("MODIFIED", patched)
 
     async def _do_DeleteClaim(self, a: DeleteClaim) -> None:
+        self._must_lead()
         try:
             await self.kube.delete(CLAIMS, a.key[1], a.key[0], uid=a.uid)
         except (NotFound, Conflict):
@@ -537,7 +549,10 @@ class Reconciler:
 
         async def probe(pod: PodInfo) -> None:
             async with limit:
-                await self.probe_agent(pod)
+                try:
+                    await self.probe_agent(pod)
+                except Exception:  # a bug must show, and must not stop the other probes
+                    log.exception("probe of the agent of %s/%s failed", *pod.key)
 
         while True:
             now = time.monotonic()
@@ -550,10 +565,17 @@ class Reconciler:
         started = time.monotonic()
         liveness = self.ledger.liveness
         try:
-            info = await self.agents.info(pod.endpoint, timeout=self.probe_timeout)  # type: ignore[arg-type]
+            info = await self.agents.info(pod.endpoint, pod_uid=pod.uid, timeout=self.probe_timeout)  # type: ignore[arg-type]
         except AgentGone:
             changed = liveness.observe_refused(pod.key, pod.uid, started)
-        except (AgentUnreachable, AgentError) as exc:
+        except AgentError as exc:
+            if exc.status == 409:  # the agent there serves another pod: ours is not listening
+                changed = liveness.observe_refused(pod.key, pod.uid, started)
+            else:  # refused our token, or failed: proves nothing about the process
+                liveness.observe_unreachable(pod.key, pod.uid)
+                log.debug("probe of %s/%s proved nothing: %s", *pod.key, exc)
+                changed = False
+        except AgentUnreachable as exc:
             liveness.observe_unreachable(pod.key, pod.uid)
             log.debug("probe of %s/%s proved nothing: %s", *pod.key, exc)
             changed = False
@@ -644,6 +666,7 @@ class Reconciler:
             o = parse_object(raw)
             described.add(o.object_id)
         total = 0
+        self._must_lead()
         for item in items:
             if item.object_id in described:
                 continue

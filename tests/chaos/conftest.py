@@ -1,3 +1,3 @@
-"""The chaos suite shares the operator tests' fixtures: a namespace per test and the agents' token."""
+"""The chaos suite shares the operator tests' fixtures: a namespace, the agents' token, workload pods."""
 
-from tests.operator.conftest import namespace, token_file  # noqa: F401
+from tests.operator.conftest import namespace, operator_identity, pods, token_file  # noqa: F401

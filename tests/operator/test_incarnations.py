@@ -30,9 +30,9 @@ def test_reader_process_killed_while_its_pod_stays_drops_its_claim_and_the_bytes
     gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
 ) -> None:
     src, reader = pods.workload("src"), pods.workload("reader")
-    src.run("ref = client.put([torch.ones(1 << 14)], name='kv')")
+    src.run("ref = client.put([torch.ones(1 << 14)], name='kv'); client.flush()")
     address = src.eval_pickle("ref.address")
-    reader.run(f"h = client.borrow(load_pickle({address!r})); got = client.fetch(h)[0]")
+    reader.run(f"h = client.borrow(load_pickle({address!r})); client.flush(); got = client.fetch(h)[0]")
     [claim] = kube(gpuobj_cluster, lambda k: k.list(CLAIMS, namespace))["items"]
     assert claim["spec"]["holder"] == {"podName": "reader", "incarnation": reader.eval("client.incarnation")}
     src.run("ref.release()")  # only the reader's claim holds the bytes now
@@ -52,11 +52,11 @@ def test_reader_container_restart_drops_the_old_process_claims_and_keeps_the_new
     gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
 ) -> None:
     src, reader = pods.workload("src"), pods.workload("reader")
-    src.run("ref = client.put([torch.ones(1 << 12)], name='kv')")
+    src.run("ref = client.put([torch.ones(1 << 12)], name='kv'); client.flush()")
     address = src.eval_pickle("ref.address")
-    reader.run(f"old = client.borrow(load_pickle({address!r}))")
+    reader.run(f"old = client.borrow(load_pickle({address!r})); client.flush()")
     reader = pods.restart_process("reader")  # same pod, same address, a new process
-    reader.run(f"new = client.borrow(load_pickle({address!r})); got = client.fetch(new)[0]")
+    reader.run(f"new = client.borrow(load_pickle({address!r})); client.flush(); got = client.fetch(new)[0]")
     new_incarnation = reader.eval("client.incarnation")
 
     def only_new_claim() -> bool:
@@ -77,9 +77,9 @@ def test_source_process_killed_while_its_pod_stays_makes_the_object_lost_and_rea
     gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
 ) -> None:
     src, reader = pods.workload("src"), pods.workload("reader")
-    src.run("ref = client.put([torch.ones(1 << 12)], name='kv')")
+    src.run("ref = client.put([torch.ones(1 << 12)], name='kv'); client.flush()")
     address = src.eval_pickle("ref.address")
-    reader.run(f"h = client.borrow(load_pickle({address!r}))")
+    reader.run(f"h = client.borrow(load_pickle({address!r})); client.flush()")
     wait_object(gpuobj_cluster, namespace, "kv", lambda o: state(o) == "Ready")
 
     pods.workloads["src"].kill()  # the source container dies; nothing restarts it yet
@@ -103,8 +103,9 @@ def test_a_hung_reader_with_a_ttl_claim_loses_it_when_the_ttl_runs_out(
     gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
 ) -> None:
     src, reader = pods.workload("src"), pods.workload("reader")
-    src.run("ref = client.put([torch.ones(1 << 12)], name='kv')")
+    src.run("ref = client.put([torch.ones(1 << 12)], name='kv'); client.flush()")
     shared = src.eval_pickle("client.share(ref, 'reader', ttl=2)")
+    src.run("client.flush()")  # recorded: the operator's part is what this test is about
     reader.run(f"h = client.adopt(load_pickle({shared!r}))")  # adopted, and then never released
     src.run("ref.release()")
     wait_object(gpuobj_cluster, namespace, "kv", lambda o: o is None, timeout=30)
@@ -120,9 +121,10 @@ def test_a_read_once_hand_off_is_freed_after_its_one_read(
     gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
 ) -> None:
     src, reader = pods.workload("src"), pods.workload("reader")
-    src.run("ref = client.put([torch.arange(1024, dtype=torch.float32)], name='kv')")
+    src.run("ref = client.put([torch.arange(1024, dtype=torch.float32)], name='kv'); client.flush()")
     incarnation = reader.eval("client.incarnation")
     shared = src.eval_pickle(f"client.share(ref, 'reader', incarnation={incarnation!r}, read_once=True)")
+    src.run("client.flush()")  # recorded: the operator's part is what this test is about
     src.run("ref.release()")  # the hand-off: only the reader's claim holds the bytes
     reader.run(f"h = client.adopt(load_pickle({shared!r})); got = client.fetch(h)[0]")
     assert reader.eval("float(got.sum())") == float(sum(range(1024)))

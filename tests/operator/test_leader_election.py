@@ -31,7 +31,8 @@ async def _put_and_delete(cluster: ClusterHandle, namespace: str, name: str, pod
 
 def _freed_by(cluster: ClusterHandle, namespace: str, name: str) -> str:
     events = json.loads(cluster.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
-    (freed,) = [e for e in events if e["reason"] == "Freed" and e["involvedObject"]["name"] == name]
+    # "Freed" (free answered agent-gone) or "Released" (the probes had already found no agent listening).
+    (freed,) = [e for e in events if e["reason"] in ("Freed", "Released") and e["involvedObject"]["name"] == name]
     return freed["reportingInstance"]
 
 

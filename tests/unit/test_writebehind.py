@@ -165,3 +165,32 @@ def test_a_create_the_api_refuses_frees_the_bytes_and_says_why() -> None:
         await wb.close()
 
     run(go())
+
+
+def test_a_release_refused_with_403_is_retried_until_it_lands() -> None:
+    """An API server that has just restarted answers 403 until its RBAC cache is filled (chaos suite)."""
+    from gpuobj_kube.client import ApiError
+
+    class ForbiddenAtFirst(ScriptedApi):
+        def __init__(self) -> None:
+            super().__init__()
+            self.forbidden = 3
+
+        async def delete(self, res, name, namespace, uid=None):
+            if self.forbidden:
+                self.forbidden -= 1
+                raise ApiError(403, "Forbidden", 'clusterrole "gpuobj-workload" not found')
+            return await super().delete(res, name, namespace, uid)
+
+    async def go():
+        api = ForbiddenAtFirst()
+        wb = WriteBehind(api, free_local=lambda _: None, window=0.0)
+        await wb.create_object("ns", "o", body("o"), "oid-1")
+        await wb.flush(5)
+        wb.release("object", "ns", "o")
+        await wb.flush(10)
+        assert api.calls == [("create", "gpuobjects", "o"), ("delete", "gpuobjects", "o")]
+        assert wb.pending_writes == 0 and wb.counts["failed"] == 0
+        await wb.close()
+
+    run(go())

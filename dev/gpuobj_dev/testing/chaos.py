@@ -8,7 +8,8 @@ the schedule (the timing of real processes still varies).
 
 Faults: SIGKILL, container restart (the process dies, the Pod object stays), SIGSTOP and pod
 deletion of a lifecycle's reader or source; SIGKILL and SIGSTOP of the operator (restarted when
-it exits, as a Deployment would); a kube-apiserver restart and an etcd restart.
+it exits, as a Deployment would); a kube-apiserver restart and an etcd restart; and the owner's and
+the reader's releases made while the API server is down (the client's write-behind must land them).
 """
 
 from __future__ import annotations
@@ -19,18 +20,17 @@ import os
 import random
 import signal
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from gpuobj_dev.testing import agent_http
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.operator import OperatorProcess
-from gpuobj_dev.testing.pods import create_agent_pod, delete_pod
 from gpuobj_dev.testing.waits import wait_until
-from gpuobj_dev.testing.workload import WorkloadProcess, free_port
+from gpuobj_dev.testing.workload import WorkloadProcess
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS
 
 FAULTS = (
@@ -46,12 +46,15 @@ FAULTS = (
     "operator-stop",
     "apiserver-restart",
     "etcd-restart",
+    "releases-in-outage",
 )
 # After which step the fault strikes: 1 put, 2 borrow + fetch, 3 owner's release (4, the reader's release, ends it).
 POINTS = (1, 2, 3)
 OUTAGE_SECONDS = 4.0  # API server or etcd down, a process stopped: longer than the operator's 3 s lease
 ELEMENTS = 1 << 16  # 256 KiB per object
 CLEAN_TIMEOUT = 90.0
+OUTAGES = ("apiserver-restart", "etcd-restart", "releases-in-outage")
+FLUSH = "if hasattr(client, 'flush'): client.flush()"  # wait until queued API writes landed
 
 
 @dataclass
@@ -79,7 +82,9 @@ class Schedule:
         kinds = list(FAULTS)
         rng.shuffle(kinds)
         kinds = kinds[:lifecycles] + [rng.choice(FAULTS) for _ in range(lifecycles - len(kinds))]
-        return cls(seed, lifecycles, [(k, rng.choice(POINTS)) for k in kinds])
+        plan = [(k, rng.choice(POINTS)) for k in kinds]
+        # Releases in an outage need something to release after the fault: the reader's claim exists.
+        return cls(seed, lifecycles, [(k, max(p, 2) if k == "releases-in-outage" else p) for k, p in plan])
 
 
 class OperatorSupervisor:
@@ -87,7 +92,7 @@ class OperatorSupervisor:
 
     def __init__(self, make: Callable[[], OperatorProcess]) -> None:
         self._make = make
-        self.current = make().start()
+        self.current = make()
         self.restarts = 0
         self.exits: list[int] = []
 
@@ -95,7 +100,7 @@ class OperatorSupervisor:
         proc = self.current.proc
         if proc is not None and proc.poll() is not None:
             self.exits.append(proc.returncode)
-            self.current = self._make().start()
+            self.current = self._make()
             self.restarts += 1
         return self.current
 
@@ -113,6 +118,7 @@ class OperatorSupervisor:
             return {
                 "freed": op.metric("gpuobj_frees_total", {"result": "freed"}),
                 "source-lost": op.metric("gpuobj_frees_total", {"result": "source-lost"}),
+                "agent-gone": op.metric("gpuobj_frees_total", {"result": "agent-gone"}),
                 "lost": op.metric("gpuobj_lost_objects_total"),
                 "dropped": op.metric("gpuobj_claims_dropped_total", {"holder": "process"}),
             }
@@ -124,18 +130,37 @@ class OperatorSupervisor:
         return self.current.stop()
 
 
+class PodSet(Protocol):
+    """Workload pods as the tests make them (tests/operator/conftest.py ``Pods``): a Pod object plus a
+    process running the client library, as the identity the tests run workloads as."""
+
+    workloads: dict[str, WorkloadProcess]
+
+    def workload(self, name: str) -> WorkloadProcess: ...
+
+    def restart_process(self, name: str) -> WorkloadProcess: ...
+
+    def delete_pod(self, name: str, kill_process: bool = True) -> None: ...
+
+
 class Chaos:
     def __init__(
-        self, cluster: ClusterHandle, namespace: str, token_file: Path, make_operator: Callable[[], OperatorProcess]
+        self,
+        cluster: ClusterHandle,
+        namespace: str,
+        token_file: Path,
+        pods: PodSet,
+        make_operator: Callable[[], OperatorProcess],
     ) -> None:
+        """``token_file``: what the operator presents to agents (to read inventories as it does);
+        ``make_operator``: starts an operator process (the supervisor calls it again when one exits)."""
         self.cluster = cluster
         self.namespace = namespace
         self.token_file = token_file
+        self.pods = pods
         self.operator = OperatorSupervisor(make_operator)
-        self.processes: list[WorkloadProcess] = []
         self.pool: dict[str, WorkloadProcess | None] = {}  # role ("src", "rd") -> its current process
         self._pods_made = 0
-        self.log: list[str] = []
 
     # ------------------------------------------------------------ pods
 
@@ -146,60 +171,23 @@ class Chaos:
 
         return asyncio.run(go())
 
-    def _process(self, name: str, uid: str, port: int) -> WorkloadProcess:
-        w = WorkloadProcess(
-            pod_name=name,
-            namespace=self.namespace,
-            pod_uid=uid,
-            port=port,
-            token_file=self.token_file,
-            kubeconfig=self.cluster.kubeconfig,
-        )
-        self.processes.append(w)
-        return w
-
     def start_pods(self, *names: str) -> dict[str, WorkloadProcess]:
-        """Create the Pod objects, then start their processes side by side (each imports torch and NIXL)."""
-        made = {n: self._process(n, self._pod(n, port := free_port())["metadata"]["uid"], port) for n in names}
-        errors: list[BaseException] = []
-
-        def start(w: WorkloadProcess) -> None:
-            try:
-                w.start()
-            except BaseException as exc:  # reported below, in the calling thread
-                errors.append(exc)
-
-        threads = [threading.Thread(target=start, args=(w,)) for w in made.values()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return made
-
-    def _pod(self, name: str, port: int) -> dict:
-        return self._kube(lambda k: create_agent_pod(k, self.namespace, name, port=port))
+        return {n: self.pods.workload(n) for n in names}
 
     def restart(self, w: WorkloadProcess) -> WorkloadProcess:
         """A container restart: the process dies, the pod (uid, address) stays, a new process starts."""
-        w.kill()
-        new = self._process(w.env["GPUOBJ_POD_NAME"], w.env["GPUOBJ_POD_UID"], int(w.env["GPUOBJ_AGENT_PORT"]))
-        return new.start()
+        return self.pods.restart_process(w.env["GPUOBJ_POD_NAME"])
 
     def delete_pod(self, w: WorkloadProcess) -> None:
-        w.kill()
-        self._kube(lambda k: delete_pod(k, self.namespace, w.env["GPUOBJ_POD_NAME"]))
+        self.pods.delete_pod(w.env["GPUOBJ_POD_NAME"])
 
-    def close(self) -> None:
-        for w in self.processes:
+    def resume_all(self) -> None:
+        """SIGCONT whatever a failed run left stopped, so the fixtures can stop it."""
+        for w in self.pods.workloads.values():
             if w.proc and w.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(w.proc.pid, signal.SIGCONT)
-                try:
-                    w.stop(timeout=30)
-                except AssertionError:
-                    w.kill()
+        self.operator.signal(signal.SIGCONT)
 
     # ------------------------------------------------------------ API views
 
@@ -236,6 +224,7 @@ class Chaos:
         name = f"obj-{index}"
         alive = {"src": True, "reader": True}  # the process that holds the handles still runs
         address: list[str] = []
+        object_id: list[str] = []
         before = self.operator.counters()
         pid_before = self.operator.pid
         last = time.monotonic()
@@ -245,10 +234,13 @@ class Chaos:
             if n == 1 or (n in (2, 4) and alive["reader"]) or (n == 3 and alive["src"]):
                 last = time.monotonic()  # a step that runs (and may drop a reference) starts the clock again
             if n == 1:
-                src.run(f"ref = client.put([torch.full(({ELEMENTS},), {float(index)})], name={name!r})")
+                # Recorded before anything else happens (a write-behind client may hold the create back:
+                # an object never recorded never involves the operator, and this suite tests the operator).
+                src.run(f"ref = client.put([torch.full(({ELEMENTS},), {float(index)})], name={name!r})\n{FLUSH}")
                 address.append(src.eval_pickle("ref.address"))
+                object_id.append(src.eval("ref.address.object_id"))
             elif n == 2 and alive["reader"]:
-                reader.run(f"h = client.borrow(load_pickle({address[0]!r}))")
+                reader.run(f"h = client.borrow(load_pickle({address[0]!r}))\n{FLUSH}")
                 reader.run(
                     "try:\n"
                     f"    fetched = 'ok' if bool((client.fetch(h)[0] == {float(index)}).all()) else 'WRONG BYTES'\n"
@@ -264,9 +256,20 @@ class Chaos:
 
         for n in range(1, point + 1):
             step(n)
-        last = self._inject(fault, src, reader, alive, out) or last
-        for n in range(point + 1, 5):
-            step(n)
+        if fault == "releases-in-outage":
+            # The API server is down while the owner and the reader release: the client's write-behind
+            # queue must keep retrying until the deletes land (durable releases).
+            self.cluster.cluster.stop_component("kube-apiserver")
+            started = time.monotonic()
+            for n in range(point + 1, 5):
+                step(n)
+            time.sleep(max(0.0, OUTAGE_SECONDS - (time.monotonic() - started)))
+            self.cluster.cluster.start_component("kube-apiserver")
+            last = time.monotonic()
+        else:
+            last = self._inject(fault, src, reader, alive, out) or last
+            for n in range(point + 1, 5):
+                step(n)
         if fault in ("operator-kill",):
             self.operator.ensure()  # the Deployment brings it back after the steps ran without it
 
@@ -275,7 +278,8 @@ class Chaos:
             objects, claims = self.api_records(name)
             if objects or claims:
                 return False
-            return not alive["src"] or self.holds(src) == []  # and nothing else of it either
+            # Its bytes are gone from the source (what else a store holds is checked after quiescence).
+            return not alive["src"] or all(o["id"] not in object_id for o in self.holds(src))
 
         try:
             wait_until(cleaned, f"lifecycle {index} ({fault}) cleaned", timeout=CLEAN_TIMEOUT, interval=0.05)
@@ -333,11 +337,12 @@ class Chaos:
             self.cluster.cluster.stop_component(component)
             started = time.monotonic()
             if fault == "apiserver-restart":
-                # A put during the outage fails cleanly: the error reaches the caller, the bytes are freed.
+                # A put during the outage fails cleanly (the error reaches the caller, the bytes are freed),
+                # or a write-behind client accepts it; either way nothing of it may be left in the end.
                 src.run(
                     "try:\n"
                     "    client.put([torch.ones(4)], name='during-outage')\n"
-                    "    outage_put = 'recorded?'\n"
+                    "    outage_put = 'accepted (write-behind), then dropped'\n"
                     "except Exception as e:\n"
                     "    outage_put = type(e).__name__",
                     timeout=90,
@@ -350,26 +355,38 @@ class Chaos:
 
     def _check_counters(self, fault: str, point: int, before, pid_before) -> str:
         """The operator's counters moved by exactly what this lifecycle's fault implies."""
-        if before is None or self.operator.pid != pid_before or fault in ("apiserver-restart", "etcd-restart"):
+        if before is None or self.operator.pid != pid_before or fault in OUTAGES:
             return "skipped (operator restarted)" if self.operator.pid != pid_before else "skipped"
         source_fault = fault in ("source-kill", "source-restart", "source-pod-delete")
-        held_by_reader = point >= 2
-        expected = {
-            "freed": 0 if source_fault else 1,
-            "source-lost": 1 if source_fault else 0,
-            "lost": 1 if source_fault else 0,
-            "dropped": 1 if fault in ("reader-kill", "reader-restart") and held_by_reader else 0,
-        }
-        if fault == "reader-pod-delete":
-            del expected["dropped"]  # the garbage collector and the operator's probe race for that claim
+        dropped = 1 if fault in ("reader-kill", "reader-restart") and point >= 2 else 0
+        if source_fault:
+            # One end without a free: Lost then released (the probes were first), or a free that found
+            # nothing listening (the last release was first). Never a free that freed, never both.
+            expected = "freed 0, source-lost + agent-gone 1, lost = source-lost, dropped 0"
+
+            def holds(d: dict[str, float]) -> bool:
+                return (
+                    d["freed"] == 0
+                    and d["source-lost"] + d["agent-gone"] == 1
+                    and d["lost"] == d["source-lost"]
+                    and d["dropped"] == 0
+                )
+        else:
+            expected = f"freed 1, source-lost 0, agent-gone 0, lost 0, dropped {dropped}"
+
+            def holds(d: dict[str, float]) -> bool:
+                exact = d["freed"] == 1 and d["source-lost"] == d["agent-gone"] == d["lost"] == 0
+                # For a deleted reader pod, the garbage collector and the probes race for the claim.
+                return exact and (fault == "reader-pod-delete" or d["dropped"] == dropped)
+
         seen: dict[str, float] = {}
 
         def exact() -> bool:
             after = self.operator.counters()
             if after is None:
                 return False
-            seen.update({k: after[k] - before[k] for k in expected})
-            return all(seen[k] == v for k, v in expected.items())
+            seen.update({k: after[k] - before[k] for k in after})
+            return holds(seen)
 
         try:
             wait_until(exact, "operator counters", timeout=15, interval=0.1)
