@@ -243,8 +243,8 @@ class Demo:
             self.report["objects"] += 1
             shared = producer.eval_pickle("client.share(ckpt, 'consumer-0')")
             consumer.run(f"ckpt = client.adopt(load_pickle({shared!r}))")
-            producer.run("ckpt.release()")
-            self._wait_state("checkpoint", lambda o: (o.get("status") or {}).get("state") == "Releasing")
+            producer.run("ckpt.release(); client.flush()")  # written behind: flush so the record is there
+            self._wait_state("checkpoint", lambda o: o and (o.get("status") or {}).get("state") == "Releasing")
             self.show_objects("checkpoint held only by consumer-0's claim")
             consumer.kill()
 
