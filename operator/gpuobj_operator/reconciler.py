@@ -132,9 +132,9 @@ class Reconciler:
                 await task
         self._tasks.clear()
 
-    def enqueue(self, items: Iterable[WorkItem]) -> None:
+    def enqueue(self, items: Iterable[WorkItem], urgent: bool = False) -> None:
         for item in items:
-            self.queue.add(item)
+            self.queue.add(item, urgent)
 
     def enqueue_all(self) -> None:
         self.enqueue(("stream", k) for k in list(self.ledger.streams))
@@ -151,15 +151,18 @@ class Reconciler:
             self._status_due.pop(("object", info.key), None)
             self.enqueue(self.ledger.remove_object(info))
         else:
-            self.enqueue(self.ledger.upsert_object(info, now))
+            # A deletion (the owner's reference went) is the free lane: ahead of status work.
+            self.enqueue(self.ledger.upsert_object(info, now), urgent=info.deleting)
 
     def on_claim(self, event_type: str | None, raw: dict) -> None:
         info = parse_claim(raw)
         now = time.monotonic()
         if event_type == "DELETED":
             self._status_due.pop(("claim", info.key), None)
+        gone = event_type == "DELETED" or info.deleting
         self.enqueue(
-            self.ledger.remove_claim(info, now) if event_type == "DELETED" else self.ledger.upsert_claim(info, now)
+            self.ledger.remove_claim(info, now) if event_type == "DELETED" else self.ledger.upsert_claim(info, now),
+            urgent=gone,  # a reference went: most likely a free, ahead of status work
         )
 
     def on_stream(self, event_type: str | None, raw: dict) -> None:
