@@ -2,8 +2,8 @@
 
 Why here and not in the ledger: this is the I/O edge. Every action is idempotent and
 re-checked against fresh state where a mistake would cost bytes (a free re-lists
-the object's claims with a quorum read first), so a restart at any point loses
-nothing and frees nothing twice.
+the object's claims first, from the API server's watch cache once it has reached the
+version the decision saw), so a restart at any point loses nothing and frees nothing twice.
 """
 
 from __future__ import annotations
@@ -285,8 +285,14 @@ class Reconciler:
     async def _do_Free(self, a: Free) -> None:
         if a.uid in self._freed:
             return  # freed already; the DELETED event is on its way
-        # 1. Quorum re-check of the claims: the caches of two watches may disagree for a moment.
-        fresh = await self.kube.list(CLAIMS, a.key[0], field_selector=f"spec.objectName={a.key[1]}")
+        # 1. Re-check the claims: the caches of two watches may disagree for a moment. Read from the
+        # API server's watch cache once it has reached the version at which we saw the object (every
+        # claim made before that is in it), not a quorum read from etcd per free.
+        current = self.ledger.objects.get(a.key)
+        seen_rv = current.resource_version if current is not None and current.uid == a.uid else None
+        fresh = await self.kube.list(
+            CLAIMS, a.key[0], field_selector=f"spec.objectName={a.key[1]}", not_older_than=seen_rv or None
+        )
         now = time.monotonic()
         live = []
         for raw in fresh["items"]:
