@@ -225,16 +225,16 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 assert status == 200, body
                 raw = RawNixl(src, oid, nbytes)
-                grant: dict = {}
+                grant: list[dict] = [{}]
 
-                def regrant(o: str = oid, grant: dict = grant, raw: RawNixl = raw) -> None:
+                def regrant(o: str = oid, grant: list[dict] = grant, raw: RawNixl = raw) -> None:
                     # A read grant as a reader caches it (from the read endpoint; a hand-off embeds one).
+                    # A new dict each time: a grant is immutable (the reader caches its parse by identity).
                     raw.refresh()
                     status, body = src.request("POST", f"/v1/objects/{o}/reads", {"reader": "bench-grant"})
                     assert status == 200, body
                     src.request("DELETE", f"/v1/reads/{body.pop('readId')}")
-                    grant.clear()
-                    grant.update(body)
+                    grant[0] = body
 
                 try:
                     per = interleaved(
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                             "copy": copier(nbytes),
                             "raw": raw,
                             "fetch": lambda o=oid: rt.fetch(src.endpoint, o, token=src.token),
-                            "grant": lambda o=oid, g=grant: rt.fetch_granted_direct(src.endpoint, o, g),
+                            "grant": lambda o=oid, g=grant: rt.fetch_granted_direct(src.endpoint, o, g[0]),
                         },
                         args.seconds,
                         args.rounds,
