@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -175,40 +176,58 @@ def ray_side(args: argparse.Namespace) -> dict:
                 lat.append(log.wait(base + 1) - t_release)
             return cycles / (time.perf_counter() - started), lat
 
-        out: dict = {"load_start": load(), "rows": {}, "pairs": {}}
+        out: dict = {"load_start": load(), "rows": {}, "pairs": {}, "errors": []}
         p, c, log = pair()
         run_cycles(p, c, log, 4096, 5, False)  # warm up the transport
         for size in args.sizes:
             n = cycles_for(size, args.cycles)
-            row = {}
+            row: dict = {}
             for policy in ("persistent", "fresh"):
-                rate, lat = run_cycles(p, c, log, size, n, policy == "fresh")
+                try:
+                    rate, lat = run_cycles(p, c, log, size, n, policy == "fresh")
+                except Exception as exc:  # report it; keep what was measured
+                    out["errors"].append(f"{human(size)} {policy}: {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
                 row[policy] = {"rate": rate, "free_ms": [x * 1000 for x in lat]}
                 print(f"# ray {human(size)} {policy}: {rate:.1f} cycles/s", file=sys.stderr, flush=True)
             out["rows"][str(size)] = row
-        if args.pairs > 1:
-            pairs = [pair() for _ in range(args.pairs - 1)] + [(p, c, log)]
-            for pp, cc, ll in pairs:
-                run_cycles(pp, cc, ll, 4096, 3, False)
-            for size in [s for s in args.sizes if s <= SMALL]:
-                n = cycles_for(size, args.cycles) // 2
-                rates: list[float] = []
-
-                def one(pp, cc, ll, size=size, n=n, rates=rates) -> None:
-                    rates.append(run_cycles(pp, cc, ll, size, n, False)[0])
-
-                threads = [threading.Thread(target=one, args=x) for x in pairs]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                out["pairs"][str(size)] = sum(rates)
+        try:
+            ray_pairs(args, out, pair, run_cycles, (p, c, log))
+        except Exception as exc:
+            out["errors"].append(f"{args.pairs} pairs: {type(exc).__name__}: {str(exc)[:200]}")
         out["load_end"] = load()
         return out
     finally:
         ray.shutdown()
         for log in logs:
             log.close()
+
+
+def ray_pairs(args: argparse.Namespace, out: dict, pair, run_cycles, first) -> None:
+    """4 producer/consumer pairs at once (driver threads): aggregate cycles/s."""
+    p, c, log = first
+    if args.pairs <= 1:
+        return
+    pairs = [pair() for _ in range(args.pairs - 1)] + [(p, c, log)]
+    for pp, cc, ll in pairs:
+        run_cycles(pp, cc, ll, 4096, 3, False)
+    for size in [s for s in args.sizes if s <= SMALL]:
+        n = cycles_for(size, args.cycles) // 2
+        rates: list[float] = []
+
+        def one(pp, cc, ll, size=size, n=n, rates=rates) -> None:
+            with contextlib.suppress(Exception):  # a failed pair is reported by the count
+                rates.append(run_cycles(pp, cc, ll, size, n, False)[0])
+
+        threads = [threading.Thread(target=one, args=x) for x in pairs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if len(rates) == len(pairs):
+            out["pairs"][str(size)] = sum(rates)
+        else:
+            out["errors"].append(f"{args.pairs} pairs, {human(size)}: {len(pairs) - len(rates)} pair(s) failed")
 
 
 # -------------------------------------------------------------------------------- gpuobj side
@@ -507,6 +526,8 @@ def report(ray: dict | str, ours: dict | str, sizes: list[int]) -> None:
     for name, side in (("Ray RDT", ray), ("gpuobj", ours)):
         if isinstance(side, dict):
             print(f"{name}: load (1/5/15 min) {side['load_start']} at start, {side['load_end']} at end")
+            for error in side.get("errors", []):
+                print(f"  {name} failed: {error}")
         else:
             print(f"{name}: not measured: {side}")
     head = (
@@ -532,7 +553,7 @@ def report(ray: dict | str, ours: dict | str, sizes: list[int]) -> None:
             op = ours["pairs"].get(str(size)) if isinstance(ours, dict) else None
             if rp is None and op is None:
                 continue
-            one = ours["rows"][str(size)]["persistent"]["rate"] if isinstance(ours, dict) else None
+            one = ours["rows"].get(str(size), {}).get("persistent", {}).get("rate") if isinstance(ours, dict) else None
             scale = f", {op / one:.2f}x one pair" if op and one else ""
             ratio = f" ({op / rp:.2f}x Ray)" if op and rp else ""
             print(
