@@ -124,6 +124,9 @@ def ray_side(args: argparse.Namespace) -> dict:
     import ray
     import torch
 
+    # Ray runs its workers at nice 15 by default; on a shared machine that would measure the other
+    # tenants' load more than Ray. gpuobj's processes run at the default priority: so do Ray's here.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     logs: list[FreeLog] = []
     try:
