@@ -21,7 +21,7 @@ test: setup
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 
 test-unit: setup
-	@$(VENV) -m pytest -m "not cluster and not nixl" $(PYTEST_ARGS)
+	@$(VENV) -m pytest -m "not cluster and not nixl and not node" $(PYTEST_ARGS)
 
 lint: setup
 	@$(VENV) -m ruff check .

@@ -17,25 +17,45 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "ApiUnavailableError",
     "Client",
+    "ConfigurationError",
     "FetchError",
     "GpuObjError",
+    "GpuObjTimeoutError",
+    "InvalidRequestError",
+    "InvalidTensorError",
+    "NameTakenError",
     "ObjectLostError",
     "ObjectNotFoundError",
     "ObjectRef",
+    "PermissionDeniedError",
+    "PodNotFoundError",
+    "ReleasedHandleError",
     "SharedRef",
     "StreamClosedError",
+    "WriteFailedError",
 ]
 
 _LAZY = {
     "Client": "gpuobj.client.client",
     "ObjectRef": "gpuobj.client.handles",
     "SharedRef": "gpuobj.client.handles",
-    "GpuObjError": "gpuobj.client.errors",
+    "ApiUnavailableError": "gpuobj.client.errors",
+    "ConfigurationError": "gpuobj.client.errors",
     "FetchError": "gpuobj.client.errors",
+    "GpuObjError": "gpuobj.client.errors",
+    "GpuObjTimeoutError": "gpuobj.client.errors",
+    "InvalidRequestError": "gpuobj.client.errors",
+    "InvalidTensorError": "gpuobj.client.errors",
+    "NameTakenError": "gpuobj.client.errors",
     "ObjectLostError": "gpuobj.client.errors",
     "ObjectNotFoundError": "gpuobj.client.errors",
+    "PermissionDeniedError": "gpuobj.client.errors",
+    "PodNotFoundError": "gpuobj.client.errors",
+    "ReleasedHandleError": "gpuobj.client.errors",
     "StreamClosedError": "gpuobj.client.errors",
+    "WriteFailedError": "gpuobj.client.writebehind",
 }
 
 

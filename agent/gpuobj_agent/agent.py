@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gpuobj_agent.auth import TokenFile
+from gpuobj_agent.auth import IssuerKeys, ServiceAccountAuth
 from gpuobj_agent.buffers import LandingPool
 from gpuobj_agent.config import AgentConfig
 from gpuobj_agent.fencing import Fencer
@@ -33,6 +33,18 @@ from gpuobj_agent.store import ObjectStore, _iso
 log = logging.getLogger(__name__)
 
 
+def build_auth(config: AgentConfig) -> ServiceAccountAuth:
+    """Verify tokens against `config.issuer_url`, else against the API server of the pod's kubeconfig."""
+    if config.issuer_url:
+        keys = IssuerKeys(config.issuer_url)
+    else:
+        from gpuobj_kube.config import load
+
+        kube = load(config.kubeconfig)
+        keys = IssuerKeys(kube.server, ssl_context=kube.ssl_context, bearer=kube.bearer)
+    return ServiceAccountAuth(keys, audience=config.audience, operators=frozenset(config.operator_service_accounts))
+
+
 class Agent:
     """The per-pod agent. Create, `await start()`, use, `await stop()`; all on one event loop."""
 
@@ -40,17 +52,13 @@ class Agent:
         self,
         config: AgentConfig,
         *,
-        tokens: TokenFile | None = None,
+        tokens: ServiceAccountAuth | None = None,
         extra_routes: Callable[[web.Application], None] | None = None,
     ) -> None:
         self.config = config
         self.incarnation = secrets.token_hex(8)
         self.started_wall = time.time()
-        if tokens is None:
-            if not config.token_file:
-                raise ValueError("a token file is required (--token-file or $GPUOBJ_TOKEN_FILE)")
-            tokens = TokenFile(config.token_file)
-        self.tokens = tokens
+        self.tokens = tokens or build_auth(config)
         self.base_name = config.nixl_base_name(self.incarnation)
         self._control = ThreadPoolExecutor(1, thread_name_prefix="gpuobj-nixl-control")
         self._lifecycle = ThreadPoolExecutor(1, thread_name_prefix="gpuobj-nixl-lifecycle")
@@ -82,6 +90,10 @@ class Agent:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        try:  # fetch the issuer keys now, so the first request does not wait; a failure is retried then
+            await self.tokens.keys.refresh()
+        except Exception as exc:
+            log.warning("cannot read the issuer keys yet (%s); retrying on the first request", exc)
         await self.fencer.start()
         # The reader agent never exposes memory (no one gets its metadata), so it is never rotated;
         # its progress comes from our own polling during reads.

@@ -1,75 +1,278 @@
-"""Bearer-token authentication for the control API, with the token read from a file.
+"""Who is calling: projected ServiceAccount tokens, verified offline against the cluster's issuer keys.
 
-Why a file: in Kubernetes the token is a mounted Secret, which the kubelet rewrites in
-place when the Secret changes; the file is re-read when its modification time changes,
-so a rotated token takes effect without a restart. An agent with no token, or an empty
-one, refuses to start rather than serve an open API.
+Why no shared secret: a bearer token copied into every namespace lets any workload act as the
+operator. Instead every caller presents its own projected ServiceAccount token (audience
+`gpuobj_contract.names.AGENT_AUDIENCE`, short expiry, rotated by the kubelet). The agent checks
+the signature against the API server's service-account issuer keys (`/.well-known/openid-
+configuration` and `/openid/v1/jwks`, fetched once, cached, fetched again when a token names an
+unknown key id, at most every `min_refresh` seconds), then the issuer, audience and expiry. No
+call to the API server per request: verification is offline, so the ticket path stays fast.
+
+What the identity allows is decided here too, in two questions the server asks:
+- `operator(header)`: free, inventory, materialize, stream-free, info. Only the operator's
+  ServiceAccount(s), named in the agent's configuration (`--operator-serviceaccount`).
+- `reader(header)`: a read ticket. A token bound to a pod (Kubernetes puts the pod's name and uid
+  in the token's `kubernetes.io` claim); whether that pod may read a given object is the store's
+  question (`ObjectStore.authorize_read`).
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
+import json
 import logging
+import ssl
 import time
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urljoin, urlparse
+
+import aiohttp
+import jwt
+
+from gpuobj_agent.errors import AgentError, Unauthorized
 
 log = logging.getLogger(__name__)
 
-
-class TokenError(RuntimeError):
-    """The token file is missing, unreadable or empty."""
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except OSError as exc:
-        raise TokenError(f"cannot read token file {path}: {exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise TokenError(f"token file {path} is not UTF-8 text") from exc
-    if not token:
-        raise TokenError(f"token file {path} is empty")
-    return token
+# Kubernetes signs ServiceAccount tokens with RS256 or ES256 (the key type of --service-account-signing-key-file).
+ALGORITHMS = ("RS256", "RS384", "RS512", "ES256", "ES384", "ES512")
+MAX_TOKEN_CHARS = 16 << 10
+MAX_JWKS_BYTES = 1 << 20
+LEEWAY_SECONDS = 30.0
+VERIFIED_CACHE = 1024
+SA_PREFIX = "system:serviceaccount:"
 
 
-class TokenFile:
-    """The current token of one file; `check` compares in constant time."""
+class Forbidden(AgentError):
+    """A valid identity that may not do this (HTTP 403)."""
 
-    RECHECK_SECONDS = 1.0  # a rotated Secret is noticed within a second; no stat per request
+    status = 403
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._token = _read(path).encode()
-        self._stamp = self._mtime()
-        self._checked = time.monotonic()
 
-    def _mtime(self) -> float | None:
+class IssuerError(RuntimeError):
+    """The issuer's discovery document or keys could not be read."""
+
+
+def service_account_subject(spec: str) -> str:
+    """`namespace/name`, `namespace:name` or a full `system:serviceaccount:ns:name` -> the full subject."""
+    if spec.startswith(SA_PREFIX):
+        spec = spec[len(SA_PREFIX) :]
+    sep = "/" if "/" in spec else ":"
+    ns, _, name = spec.partition(sep)
+    if not ns or not name or sep in name:
+        raise ValueError(f"not a ServiceAccount (want namespace/name): {spec!r}")
+    return f"{SA_PREFIX}{ns}:{name}"
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The verified identity behind a request."""
+
+    subject: str  # system:serviceaccount:<namespace>:<name>
+    namespace: str
+    service_account: str
+    pod_name: str | None = None
+    pod_uid: str | None = None
+
+    @property
+    def pod(self) -> str | None:
+        return f"{self.namespace}/{self.pod_name}" if self.pod_name else None
+
+
+def caller_from_claims(claims: dict[str, Any]) -> Caller:
+    """The identity in a verified token's claims (Kubernetes' `kubernetes.io` claim, else `sub`)."""
+    sub = claims.get("sub")
+    if not isinstance(sub, str) or not sub.startswith(SA_PREFIX):
+        raise Unauthorized("the token is not a ServiceAccount token")
+    ns, _, name = sub[len(SA_PREFIX) :].partition(":")
+    if not ns or not name:
+        raise Unauthorized("the token's subject names no ServiceAccount")
+    k8s = claims.get("kubernetes.io")
+    pod_name = pod_uid = None
+    if isinstance(k8s, dict):
+        if k8s.get("namespace") not in (None, ns):
+            raise Unauthorized("the token's namespace claims disagree")
+        pod = k8s.get("pod")
+        if isinstance(pod, dict) and isinstance(pod.get("name"), str) and isinstance(pod.get("uid"), str):
+            pod_name, pod_uid = pod["name"], pod["uid"]
+    return Caller(sub, ns, name, pod_name, pod_uid)
+
+
+class IssuerKeys:
+    """The issuer's signing keys, fetched from `base_url` and cached; refreshed on an unknown key id.
+
+    `base_url` is the API server (its `/.well-known/openid-configuration` names the issuer, and
+    `/openid/v1/jwks` serves the keys; the discovery document's `jwks_uri` host is often not
+    reachable from a pod, so only its path is used, on `base_url`). Reading them needs a credential
+    on most clusters: real ones bind `system:service-account-issuer-discovery` to every
+    ServiceAccount, so the pod's own token is enough.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        bearer: Callable[[], str | None] = lambda: None,
+        min_refresh: float = 10.0,
+        max_age: float = 3600.0,
+        timeout: float = 10.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/") + "/"
+        self.ssl_context = ssl_context
+        self.bearer = bearer
+        self.min_refresh = min_refresh
+        self.max_age = max_age
+        self.timeout = timeout
+        self.issuer: str | None = None
+        self._keys: dict[str, jwt.PyJWK] = {}
+        self._fetched = -float("inf")
+        self._attempted = -float("inf")
+        self._lock = asyncio.Lock()
+        self.fetches = 0
+
+    async def _get_json(self, session: aiohttp.ClientSession, url: str) -> dict:
+        token = self.bearer()
+        headers = {
+            "Accept": "application/json, application/jwk-set+json",
+            **({"Authorization": f"Bearer {token}"} if token else {}),
+        }
+        async with session.get(url, headers=headers, ssl=self.ssl_context or True) as resp:
+            body = await resp.content.read(MAX_JWKS_BYTES + 1)
+            if resp.status != 200:
+                raise IssuerError(f"GET {url} answered {resp.status}: {body[:200]!r}")
+        if len(body) > MAX_JWKS_BYTES:
+            raise IssuerError(f"GET {url}: answer larger than {MAX_JWKS_BYTES} bytes")
         try:
-            return Path(self.path).stat().st_mtime_ns
-        except OSError:
-            return None
+            data = json.loads(body)
+        except ValueError as exc:
+            raise IssuerError(f"GET {url}: not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise IssuerError(f"GET {url}: not a JSON object")
+        return data
 
-    def _refresh(self) -> None:
+    async def refresh(self) -> None:
+        """Fetch discovery and keys now."""
+        self._attempted = time.monotonic()
+        timeout = aiohttp.ClientTimeout(total=self.timeout)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            discovery = await self._get_json(session, urljoin(self.base_url, ".well-known/openid-configuration"))
+            issuer = discovery.get("issuer")
+            if not isinstance(issuer, str) or not issuer:
+                raise IssuerError("the discovery document names no issuer")
+            jwks_path = urlparse(str(discovery.get("jwks_uri") or "/openid/v1/jwks")).path or "/openid/v1/jwks"
+            jwks = await self._get_json(session, urljoin(self.base_url, jwks_path.lstrip("/")))
+        keys: dict[str, jwt.PyJWK] = {}
+        for entry in jwks.get("keys") or []:
+            if not isinstance(entry, dict) or entry.get("use", "sig") != "sig":
+                continue
+            try:
+                key = jwt.PyJWK(entry)
+            except (jwt.PyJWKError, jwt.InvalidKeyError, ValueError, TypeError) as exc:
+                log.warning("skipping an unusable issuer key %s: %s", entry.get("kid"), exc)
+                continue
+            keys[str(entry.get("kid", ""))] = key
+        if not keys:
+            raise IssuerError("the issuer published no usable signing key")
+        self.issuer, self._keys = issuer, keys
+        self._fetched = time.monotonic()
+        self.fetches += 1
+        log.info("issuer %s: %d signing key(s)", issuer, len(keys))
+
+    async def key(self, kid: str) -> tuple[str, jwt.PyJWK] | None:
+        """(issuer, key) for a key id; fetches when unknown or stale, never more often than min_refresh."""
         now = time.monotonic()
-        if now - self._checked < self.RECHECK_SECONDS:
-            return
-        self._checked = now
-        stamp = self._mtime()
-        if stamp is None or stamp == self._stamp:
-            return
-        try:
-            self._token = _read(self.path).encode()
-            self._stamp = stamp
-        except TokenError as exc:  # mid-rotation: keep the last good token
-            log.warning("keeping the previous token: %s", exc)
+        if kid in self._keys and now - self._fetched < self.max_age:
+            return self.issuer, self._keys[kid]  # type: ignore[return-value]
+        async with self._lock:
+            now = time.monotonic()
+            stale = kid not in self._keys or now - self._fetched >= self.max_age
+            if stale and now - self._attempted >= self.min_refresh:
+                try:
+                    await self.refresh()
+                except (IssuerError, aiohttp.ClientError, TimeoutError, OSError) as exc:
+                    log.warning("cannot refresh the issuer keys from %s: %s", self.base_url, exc)
+            found = self._keys.get(kid)
+            return (self.issuer, found) if found is not None and self.issuer else None  # type: ignore[return-value]
 
-    def check(self, authorization: str | None) -> bool:
-        """True when the Authorization header carries the current bearer token."""
+
+class ServiceAccountAuth:
+    """Verifies callers' projected tokens and answers who may do what."""
+
+    def __init__(self, keys: IssuerKeys, *, audience: str, operators: frozenset[str]) -> None:
+        if not operators:
+            raise ValueError("name the operator's ServiceAccount (--operator-serviceaccount namespace/name)")
+        self.keys = keys
+        self.audience = audience
+        self.operators = frozenset(service_account_subject(s) for s in operators)
+        # Verified tokens, until they expire: the same token comes back on every call of one caller,
+        # and a signature check (tens of microseconds) need not be repeated on the ticket path.
+        self._verified: dict[str, tuple[Caller, float]] = {}
+
+    @staticmethod
+    def _bearer(authorization: str | None) -> str:
         if not authorization:
-            return False
+            raise Unauthorized("missing bearer token")
+        if not authorization.isascii() or not authorization.isprintable():
+            raise Unauthorized("malformed Authorization header")
         scheme, _, value = authorization.partition(" ")
+        value = value.strip()
         if scheme.lower() != "bearer" or not value:
-            return False
-        self._refresh()
-        return hmac.compare_digest(value.strip().encode(), self._token)
+            raise Unauthorized("missing bearer token")
+        if len(value) > MAX_TOKEN_CHARS:
+            raise Unauthorized("bearer token too long")
+        return value
+
+    async def identify(self, authorization: str | None) -> Caller:
+        """The verified caller, or Unauthorized saying why (never anything else)."""
+        token = self._bearer(authorization)
+        hit = self._verified.get(token)
+        if hit is not None:
+            if time.time() < hit[1]:
+                return hit[0]
+            del self._verified[token]
+        try:
+            header = jwt.get_unverified_header(token)
+        except jwt.PyJWTError:
+            raise Unauthorized("the bearer token is not a signed JWT") from None
+        alg, kid = header.get("alg"), header.get("kid", "")
+        if alg not in ALGORITHMS or not isinstance(kid, str):
+            raise Unauthorized("the bearer token's signing algorithm is not accepted")
+        found = await self.keys.key(kid)
+        if found is None:
+            raise Unauthorized("the bearer token is signed by an unknown key")
+        issuer, key = found
+        try:
+            claims = jwt.decode(
+                token,
+                key.key,
+                algorithms=[alg],
+                audience=self.audience,
+                issuer=issuer,
+                leeway=LEEWAY_SECONDS,
+                options={"require": ["exp", "iat", "iss", "sub", "aud"]},
+            )
+        except jwt.ExpiredSignatureError:
+            raise Unauthorized("the bearer token has expired") from None
+        except jwt.InvalidAudienceError:
+            raise Unauthorized(f"the bearer token is not for audience {self.audience}") from None
+        except jwt.PyJWTError as exc:
+            raise Unauthorized(f"the bearer token is not valid: {exc}") from None
+        caller = caller_from_claims(claims)
+        if len(self._verified) >= VERIFIED_CACHE:
+            self._verified.clear()  # bounded: a flood of distinct valid tokens costs verifications, not memory
+        self._verified[token] = (caller, float(claims["exp"]))
+        return caller
+
+    async def operator(self, authorization: str | None) -> Caller:
+        caller = await self.identify(authorization)
+        if caller.subject not in self.operators:
+            raise Forbidden(f"{caller.subject} is not the gpuobj operator")
+        return caller
+
+    async def reader(self, authorization: str | None) -> Caller:
+        caller = await self.identify(authorization)
+        if not caller.pod_name or not caller.pod_uid:
+            raise Forbidden(f"{caller.subject}: a read needs a pod-bound token (a projected ServiceAccount token)")
+        return caller

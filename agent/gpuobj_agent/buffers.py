@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from gpuobj_agent.layouts import TensorLayout
+from gpuobj_agent.layouts import TensorLayout, allocate, torch_dtype
 from gpuobj_agent.nixl_transport import NixlAgent, region_of
 from gpuobj_agent.registrations import RegionKey
 
@@ -83,7 +83,7 @@ class LandingPool:
         """New tensors for an object's layouts, all in one registered buffer (already registered)."""
         offsets, total = self.plan(layouts)
         if total == 0:
-            return [layout.allocate(device="cpu") for layout in layouts], None
+            return [allocate(layout, device="cpu") for layout in layouts], None
         buf = self._take(total)
         view = buf.array[:total]  # a new ndarray per fetch: it lives exactly as long as the tensors' storage
         whole = torch.from_numpy(view)
@@ -91,7 +91,7 @@ class LandingPool:
         for layout, off in zip(layouts, offsets, strict=True):
             raw = whole[off : off + layout.nbytes]
             tensors.append(
-                raw.view(layout.torch_dtype).view(layout.shape) if layout.nbytes else layout.allocate(device="cpu")
+                raw.view(torch_dtype(layout)).view(layout.shape) if layout.nbytes else allocate(layout, device="cpu")
             )
         weakref.finalize(view, self._give_back, buf)
         return tensors, buf

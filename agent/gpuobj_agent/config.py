@@ -18,6 +18,10 @@ POD_UID_ENV = "GPUOBJ_POD_UID"
 POD_IP_ENV = "GPUOBJ_POD_IP"
 HOST_ENV = "GPUOBJ_AGENT_HOST"
 PORT_ENV = "GPUOBJ_AGENT_PORT"
+ISSUER_URL_ENV = "GPUOBJ_ISSUER_URL"
+OPERATOR_SA_ENV = "GPUOBJ_OPERATOR_SERVICEACCOUNT"
+# The operator's ServiceAccount in deploy/ (the chart sets $GPUOBJ_OPERATOR_SERVICEACCOUNT in its NOTES).
+DEFAULT_OPERATOR_SA = "gpuobj-system/gpuobj-operator"
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -29,7 +33,19 @@ class AgentConfig:
     pod_uid: str = field(default_factory=lambda: os.environ.get(POD_UID_ENV, ""))
     host: str = field(default_factory=lambda: os.environ.get(HOST_ENV, "0.0.0.0"))
     port: int = field(default_factory=lambda: int(os.environ.get(PORT_ENV, names.DEFAULT_AGENT_PORT)))
+    # This pod's own projected ServiceAccount token (audience names.AGENT_AUDIENCE): what the pod
+    # presents when it reads from another pod's agent. Not needed to serve.
     token_file: str | None = field(default_factory=lambda: os.environ.get(names.TOKEN_ENV) or None)
+    # Who may free, list, materialize (namespace/name, comma-separated in the environment).
+    operator_service_accounts: tuple[str, ...] = field(
+        default_factory=lambda: tuple(
+            s.strip() for s in os.environ.get(OPERATOR_SA_ENV, DEFAULT_OPERATOR_SA).split(",") if s.strip()
+        )
+    )
+    audience: str = names.AGENT_AUDIENCE
+    # Where the issuer keys are read: empty means the API server of `kubeconfig` (or in-cluster).
+    issuer_url: str | None = field(default_factory=lambda: os.environ.get(ISSUER_URL_ENV) or None)
+    kubeconfig: str | None = field(default_factory=lambda: os.environ.get("KUBECONFIG") or None)
     # Seconds a free waits for in-flight reads of its object before answering 503.
     free_wait_timeout: float = 30.0
     # A read ticket counts as in flight for read_lease seconds plus its bytes at lease_bytes_per_second,

@@ -35,7 +35,7 @@ import torch
 
 from gpuobj_agent.buffers import LandingPool
 from gpuobj_agent.errors import AgentError, BadRequest, FetchError, ObjectGone, SourceUnavailable, TransportError
-from gpuobj_agent.layouts import TensorLayout, normalize_device
+from gpuobj_agent.layouts import TensorLayout, allocate, normalize_device, parse_layout
 from gpuobj_agent.metrics import AgentMetrics
 from gpuobj_agent.nixl_transport import NixlAgent, Span
 from gpuobj_agent.store import READ_END_PREFIX
@@ -281,7 +281,7 @@ class Fetcher:
     ) -> tuple[list[torch.Tensor], bool]:
         """Allocate, load the metadata and READ (on a transfer thread); returns (tensors, end notified)."""
         try:
-            layouts = [TensorLayout.from_json(t) for t in ticket["tensors"]]
+            layouts = [parse_layout(t) for t in ticket["tensors"]]
             spans = [_span(s) for s in ticket["spans"]]
             agent = ticket["nixlAgent"]
             metadata = base64.b64decode(ticket["agentMetadata"]) if any(spans) else b""
@@ -348,7 +348,7 @@ class Fetcher:
                 tensors, _ = self.pool.carve(layouts)  # registered, pre-faulted landing memory
                 registered = True
             else:
-                tensors = [layout.allocate(device=device) for layout in layouts]
+                tensors = [allocate(layout, device=device) for layout in layouts]
                 registered = False
         except (RuntimeError, MemoryError) as exc:
             raise FetchError(f"allocating the destination on {device} failed: {exc}") from exc

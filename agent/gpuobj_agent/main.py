@@ -17,8 +17,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from gpuobj_agent.auth import TokenError
-from gpuobj_agent.config import AgentConfig
+from gpuobj_agent.config import ISSUER_URL_ENV, OPERATOR_SA_ENV, AgentConfig
 from gpuobj_contract import names
 
 
@@ -40,7 +39,26 @@ def build_parser(prog: str = "gpuobj agent") -> argparse.ArgumentParser:
         help=f"port to listen on; 0 picks a free one (default {names.DEFAULT_AGENT_PORT})",
     )
     p.add_argument(
-        "--token-file", default=d.token_file, help=f"file holding the bearer token (default ${names.TOKEN_ENV})"
+        "--token-file",
+        default=d.token_file,
+        help=f"this pod's projected token for reading from other agents (default ${names.TOKEN_ENV})",
+    )
+    p.add_argument(
+        "--operator-serviceaccount",
+        action="append",
+        default=None,
+        help=f"namespace/name of the ServiceAccount allowed to free, list and materialize; repeatable "
+        f"(default ${OPERATOR_SA_ENV} or {','.join(d.operator_service_accounts)})",
+    )
+    p.add_argument(
+        "--issuer-url",
+        default=d.issuer_url,
+        help=f"where to read the token issuer's keys (default ${ISSUER_URL_ENV}, else the API server of --kubeconfig)",
+    )
+    p.add_argument(
+        "--kubeconfig",
+        default=d.kubeconfig,
+        help="kubeconfig for reading the issuer keys (default $KUBECONFIG, else in-cluster)",
     )
     p.add_argument(
         "--free-wait-timeout",
@@ -92,6 +110,9 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         host=args.host,
         port=args.port,
         token_file=args.token_file,
+        operator_service_accounts=tuple(args.operator_serviceaccount or AgentConfig().operator_service_accounts),
+        issuer_url=args.issuer_url,
+        kubeconfig=args.kubeconfig,
         free_wait_timeout=args.free_wait_timeout,
         read_lease=args.read_lease,
         fence_interval=args.fence_interval,
@@ -136,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(args)
     try:
         return asyncio.run(serve(config))
-    except (TokenError, ValueError) as exc:
+    except (ValueError, RuntimeError) as exc:  # no operator named, no kubeconfig for the issuer keys
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

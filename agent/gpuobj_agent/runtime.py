@@ -21,7 +21,7 @@ import torch
 from aiohttp import web
 
 from gpuobj_agent.agent import Agent
-from gpuobj_agent.auth import TokenFile
+from gpuobj_agent.auth import ServiceAccountAuth
 from gpuobj_agent.config import AgentConfig
 from gpuobj_agent.layouts import TensorLayout
 from gpuobj_agent.store import StoredObject, _iso
@@ -52,7 +52,7 @@ class AgentRuntime:
         self,
         config: AgentConfig | None = None,
         *,
-        tokens: TokenFile | None = None,
+        tokens: ServiceAccountAuth | None = None,
         extra_routes: Callable[[web.Application], None] | None = None,
         **overrides: Any,
     ) -> None:
@@ -138,6 +138,11 @@ class AgentRuntime:
     def endpoint(self) -> str:
         """host:port of the control server."""
         return self.agent.endpoint
+
+    @property
+    def incarnation(self) -> str:
+        """This agent process's random id: records made for it die with it (docs/agent-api.md)."""
+        return self.agent.incarnation
 
     @property
     def url(self) -> str:

@@ -3,22 +3,28 @@
 Why it is thin: handlers parse and validate input, call the store, and shape JSON. They
 never wait on NIXL data (transfers happen on the reader's side, on threads), so metadata
 and tickets are always served promptly, whatever transfers are running (seed 002).
-Every `/v1/` route needs the bearer token; malformed input is a 400 with a message,
-unknown objects on read paths a 404, and no user input can produce a 500.
+Every `/v1/` route needs the caller's projected ServiceAccount token (gpuobj_agent.auth): the
+control routes (free, inventory, materialize, stream-free, info) the operator's, the read routes a
+pod-bound token of a pod the object is readable from. Malformed input is a 400 with a message,
+unknown objects on read paths a 404, and no user input can produce a 500 or change anything.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from gpuobj_agent.errors import AgentError, BadRequest, NotReady, ObjectNotFound, Unauthorized
+from gpuobj_agent.auth import Caller, Forbidden
+from gpuobj_agent.errors import AgentError, BadRequest, Conflict, NotReady, ObjectNotFound
 from gpuobj_agent.layouts import parse_layouts
 from gpuobj_agent.store import check_id, check_stream
+from gpuobj_contract import agent_api as api
+from gpuobj_contract import names
 
 if TYPE_CHECKING:
     from gpuobj_agent.agent import Agent
@@ -27,7 +33,10 @@ log = logging.getLogger(__name__)
 
 MAX_BODY = 1 << 20
 AGENT_KEY = web.AppKey("gpuobj_agent", object)  # the Agent (typed loosely: agent.py imports this module)
-OPEN_PATHS = ("/healthz", "/readyz", "/metrics")
+ROLES_KEY = web.AppKey("gpuobj_roles", dict)  # (method, route) -> "operator" | "reader"
+CALLER = "gpuobj_caller"
+OPEN_PATHS = tuple(route.template for route in api.OPEN_ROUTES)
+OPERATOR, READER = "operator", "reader"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -37,14 +46,24 @@ def _error(status: int, message: str, **headers: str) -> web.Response:
 
 @web.middleware
 async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Check the token on /v1/, and turn every failure into a JSON answer; only our bugs are a 500.
+    """Check the caller on /v1/, and turn every failure into a JSON answer; only our bugs are a 500.
 
-    One middleware, not two: each layer costs a coroutine per request on the ticket path.
+    One middleware, not two: each layer costs a coroutine per request on the ticket path. A route
+    not listed as a read route is an operator route: a new route is closed until someone opens it.
     """
     agent: Agent = request.app[AGENT_KEY]  # type: ignore[assignment]
     try:
-        if request.path.startswith("/v1/") and not agent.tokens.check(request.headers.get("Authorization")):
-            raise Unauthorized("missing or wrong bearer token")
+        if request.path.startswith(api.PROTECTED_PREFIX):
+            route = request.match_info.route
+            method = "GET" if request.method == "HEAD" else request.method
+            role = request.app[ROLES_KEY].get((method, route.resource.canonical if route.resource else ""), OPERATOR)
+            header = request.headers.get("Authorization")
+            auth = agent.tokens
+            request[CALLER] = await (auth.reader(header) if role == READER else auth.operator(header))
+            expect = request.headers.get(names.HEADER_POD_UID)
+            if role == OPERATOR and expect is not None and (not agent.config.pod_uid or expect != agent.config.pod_uid):
+                # The operator means another pod (its address was reused, or a pod lied about it).
+                raise Conflict(f"this agent serves pod uid {agent.config.pod_uid or '(none)'}, not {expect}")
         return await handler(request)
     except AgentError as exc:
         if exc.status >= 500 and exc.status != 503:
@@ -52,6 +71,8 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
             log.error("%s %s failed: %s", request.method, request.path, exc)
         headers = {"WWW-Authenticate": 'Bearer realm="gpuobj-agent"'} if exc.status == 401 else {}
         return _error(exc.status, str(exc), **headers)
+    except UnicodeError:  # a header or path that is not text: malformed, never a 500
+        return _error(400, "request is not valid UTF-8 text")
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -109,6 +130,19 @@ def _opt_int(data: dict[str, Any], key: str) -> int | None:
     return value
 
 
+_NAMESPACE_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def _namespaces(data: dict[str, Any], key: str) -> list[str]:
+    value = data.get(key) or []
+    if not isinstance(value, list) or len(value) > 64:
+        raise BadRequest(f"{key} must be a list of at most 64 namespace names")
+    for ns in value:
+        if not isinstance(ns, str) or not _NAMESPACE_RE.fullmatch(ns):
+            raise BadRequest(f"{key}: {ns!r} is not a namespace name")
+    return value
+
+
 class Routes:
     """Handlers bound to one agent."""
 
@@ -140,24 +174,44 @@ class Routes:
 
     async def put_object(self, request: web.Request) -> web.Response:
         object_id = check_id(request.match_info["id"])
-        data = await _body(request, {"tensors", "key", "stream", "streamIndex"}, required=True)
+        data = await _body(request, {"tensors", "key", "stream", "streamIndex", "sharedWith"}, required=True)
         layouts = parse_layouts(data.get("tensors"))
         key = _opt_str(data, "key", 128)
         stream = _opt_str(data, "stream", 253)
         if stream is not None:
             check_stream(stream)
         created, obj = await self.store.materialize(
-            object_id, layouts, key=key, stream=stream, stream_index=_opt_int(data, "streamIndex")
+            object_id,
+            layouts,
+            key=key,
+            stream=stream,
+            stream_index=_opt_int(data, "streamIndex"),
+            shared_with=_namespaces(data, "sharedWith"),
         )
         return web.json_response({"created": created, **obj.describe()})
 
     async def begin_read(self, request: web.Request) -> web.Response:
         object_id = check_id(request.match_info["id"])
         data = await _body(request, {"reader"})
-        reader = _opt_str(data, "reader", 256) or "anonymous"
+        _opt_str(data, "reader", 256)  # informational; the verified token names the reader
+        caller: Caller = request[CALLER]
+        self._authorize_read(caller, object_id)
         if not self.store.ready:
             raise NotReady("the agent is stopping")
-        return web.json_response(await self.store.begin_read(object_id, reader))
+        return web.json_response(await self.store.begin_read(object_id, caller.pod or caller.subject))
+
+    def _authorize_read(self, caller: Caller, object_id: str) -> None:
+        """Namespaces are the tenancy boundary: the source's own, or one the object grants.
+
+        Refused the same way whether or not the object exists, so a stranger learns nothing.
+        """
+        if caller.namespace == self.agent.config.namespace:
+            return
+        obj = self.store.objects.get(object_id)
+        if obj is None or caller.namespace not in obj.shared_with:
+            raise Forbidden(
+                f"pod {caller.pod} may not read object {object_id} of namespace {self.agent.config.namespace}"
+            )
 
     async def end_read(self, request: web.Request) -> web.Response:
         read_id = check_id(request.match_info["read_id"], "read id")
@@ -176,6 +230,10 @@ class Routes:
         queue cancels the claim if it was never recorded, or deletes it in order. 404: this
         process does not know the claim (restarted, or no client here); delete it in the API."""
         claim = check_id(request.match_info["claim"], "claim name")
+        caller: Caller = request[CALLER]
+        if caller.namespace != self.agent.config.namespace:
+            # A hand-off is a claim in the source's namespace, made for a pod there.
+            raise Forbidden(f"{caller.subject} may not release hand-offs of namespace {self.agent.config.namespace}")
         await _body(request, set())
         sink = self.agent.handoff_sink
         if sink is None or not await sink(claim):
@@ -192,19 +250,23 @@ def build_app(agent: Agent, extra: Callable[[web.Application], None] | None = No
     """The aiohttp application; `extra` may add routes (the test workload does)."""
     app = web.Application(middlewares=[_guard], client_max_size=MAX_BODY)
     app[AGENT_KEY] = agent
+    app[ROLES_KEY] = {(r.method, r.template): READER for r in (api.BEGIN_READ, api.END_READ, api.RELEASE_HANDOFF)}
     r = Routes(agent)
-    app.router.add_get("/healthz", r.healthz)
-    app.router.add_get("/readyz", r.readyz)
-    app.router.add_get("/metrics", r.metrics)
-    app.router.add_get("/v1/info", r.info)
-    app.router.add_get("/v1/objects", r.inventory)
-    app.router.add_get("/v1/objects/{id}", r.get_object)
-    app.router.add_put("/v1/objects/{id}", r.put_object)
-    app.router.add_post("/v1/objects/{id}/reads", r.begin_read)
-    app.router.add_delete("/v1/reads/{read_id}", r.end_read)
-    app.router.add_post("/v1/objects/{id}/free", r.free)
-    app.router.add_post("/v1/streams/{stream}/free", r.free_stream)
-    app.router.add_post("/v1/claims/{claim}/release", r.release_handoff)
+    for route, handler in (
+        (api.HEALTHZ, r.healthz),
+        (api.READYZ, r.readyz),
+        (api.METRICS, r.metrics),
+        (api.INFO, r.info),
+        (api.INVENTORY, r.inventory),
+        (api.GET_OBJECT, r.get_object),
+        (api.MATERIALIZE, r.put_object),
+        (api.BEGIN_READ, r.begin_read),
+        (api.END_READ, r.end_read),
+        (api.FREE, r.free),
+        (api.FREE_STREAM, r.free_stream),
+        (api.RELEASE_HANDOFF, r.release_handoff),
+    ):
+        app.router.add_route(route.method, route.template, handler)
     if extra is not None:
         extra(app)
     return app

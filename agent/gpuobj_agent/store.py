@@ -41,30 +41,31 @@ from gpuobj_agent.errors import (
     TransportError,
 )
 from gpuobj_agent.generations import GenerationTable
-from gpuobj_agent.layouts import TensorLayout
+from gpuobj_agent.layouts import TensorLayout, allocate, layout_of
 from gpuobj_agent.metrics import AgentMetrics, Levels
 from gpuobj_agent.nixl_transport import NixlAgent, Span, region_of
 from gpuobj_agent.quarantine import Quarantine
 from gpuobj_agent.registrations import RegionKey, RegionReused, RegistrationLedger
 from gpuobj_agent.tickets import ReadTickets
+from gpuobj_contract import agent_api as api
 
 log = logging.getLogger(__name__)
 
-ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")  # fullmatch: "$" would let a trailing newline through
 # A reader attaches this + readId to its READ; NIXL hands it to us once the data was read.
-READ_END_PREFIX = b"gpuobj-read-end:"
+READ_END_PREFIX = api.READ_END_NOTIF_PREFIX.encode()
 NOTIFY_POLL_SECONDS = 0.001
-STREAM_RE = re.compile(r"^[A-Za-z0-9._-]{1,253}$")
+STREAM_RE = re.compile(r"[A-Za-z0-9._-]{1,253}")
 
 
 def check_id(object_id: Any, what: str = "object id") -> str:
-    if not isinstance(object_id, str) or not ID_RE.match(object_id):
+    if not isinstance(object_id, str) or not ID_RE.fullmatch(object_id):
         raise BadRequest(f"{what} {object_id!r} is not valid: 1-128 characters of [A-Za-z0-9._-]")
     return object_id
 
 
 def check_stream(stream: Any) -> str:
-    if not isinstance(stream, str) or not STREAM_RE.match(stream):
+    if not isinstance(stream, str) or not STREAM_RE.fullmatch(stream):
         raise BadRequest(f"stream {stream!r} is not valid: 1-253 characters of [A-Za-z0-9._-]")
     return stream
 
@@ -88,6 +89,8 @@ class StoredObject:
     description: tuple[str, str | None, bool] | None = None
     described_gid: int | None = None
     freeing: asyncio.Future | None = None
+    # Namespaces besides the source's own whose pods may read it (GPUObject spec.sharedWith).
+    shared_with: frozenset[str] = frozenset()
 
     @property
     def devices(self) -> list[str]:
@@ -209,7 +212,7 @@ class ObjectStore:
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
                 raise BadRequest(f"tensor {i} is a {type(t).__name__}, not a torch.Tensor")
-            TensorLayout.of(t)  # validates dtype and device
+            layout_of(t)  # validates dtype and device
             if not t.is_contiguous():
                 if not copy:
                     raise BadRequest(
@@ -230,6 +233,7 @@ class ObjectStore:
         stream_index: int | None = None,
         key: str | None = None,
         copy: bool = False,
+        shared_with: Sequence[str] = (),
     ) -> StoredObject:
         """Hold `tensors` under `object_id` (zero-copy) and register them for remote reads."""
         check_id(object_id)
@@ -244,7 +248,7 @@ class ObjectStore:
         tensors = self._prepare(tensors, copy)
         if any(t.device.type == "cuda" for t in tensors):
             await self._control(_sync_cuda, tensors)  # off the loop: a device sync may take a while
-        layouts = [TensorLayout.of(t) for t in tensors]
+        layouts = [layout_of(t) for t in tensors]
         spans = [Span.of(t) for t in tensors]
         keys = list(dict.fromkeys(k for k in (region_of(t) for t in tensors) if k is not None))
         for attempt in range(2):
@@ -283,6 +287,7 @@ class ObjectStore:
                         key,
                     )
                     obj.description, obj.described_gid = described, gen.gid
+                    obj.shared_with = frozenset(shared_with)
                     self.objects[object_id] = obj
                     self.members.setdefault(gen.gid, set()).add(object_id)
                     if stream is not None:
@@ -309,6 +314,7 @@ class ObjectStore:
         key: str | None = None,
         stream: str | None = None,
         stream_index: int | None = None,
+        shared_with: Sequence[str] = (),
     ) -> tuple[bool, StoredObject]:
         """Create a declared object: bind published tensors or allocate zeroed ones. Idempotent."""
         check_id(object_id)
@@ -322,7 +328,7 @@ class ObjectStore:
             tensors = self.published.get(key)
             if tensors is None:
                 raise KeyNotPublished(f"key {key!r} is not published by the workload")
-            have = [TensorLayout.of(t) for t in tensors]
+            have = [layout_of(t) for t in tensors]
             if have != layouts:
                 raise Conflict(
                     f"the tensors published under {key!r} have layouts "
@@ -338,11 +344,13 @@ class ObjectStore:
                 ):
                     raise BadRequest(f"device {layout.device} is not available on this pod")
             try:
-                tensors = [layout.allocate(zero=True) for layout in layouts]
+                tensors = [allocate(layout, zero=True) for layout in layouts]
             except (RuntimeError, MemoryError) as exc:
                 raise InsufficientMemory(f"allocating {total} bytes failed: {exc}") from exc
         try:
-            obj = await self.put(object_id, tensors, stream=stream, stream_index=stream_index, key=key)
+            obj = await self.put(
+                object_id, tensors, stream=stream, stream_index=stream_index, key=key, shared_with=shared_with
+            )
         except Conflict:
             raced = self.objects.get(object_id)
             if raced is not None and raced.layouts == layouts:

@@ -1,11 +1,18 @@
-"""Tensor layouts as the API describes them (shape, dtype, device) and the bytes they occupy.
+"""Tensor layouts: the (shape, dtype, device) triple that describes one tensor on the wire and in the API.
 
-The dtype names are the CRD's enum (crds/gpuobj.io_gpuobjects.yaml); a unit test keeps them equal.
+Why here, in plain Python: the client, the agent, the operator and the benchmarks all describe
+tensors this way, and user input (a CRD spec, an agent request) is parsed and validated once,
+before anything reaches torch. Torch conversions (dtype objects, allocation) live in the agent
+(gpuobj_agent.layouts), the only part that imports torch. The dtype names are the CRD's enum
+(crds/gpuobj.io_gpuobjects.yaml); a unit test keeps them equal.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import dataclass
+from typing import Any
 
 DTYPE_BYTES = {
     "float64": 8,
@@ -31,3 +38,85 @@ DTYPE_BYTES = {
 def tensor_bytes(tensors: list[dict]) -> int:
     """Bytes an object's tensors occupy, from shapes and dtypes."""
     return sum(math.prod(t.get("shape", [])) * DTYPE_BYTES[t["dtype"]] for t in tensors)
+
+
+MAX_NDIM = 32
+MAX_TENSORS = 4096
+DEVICES_PATTERN = r"^(cpu|cuda(:[0-9]+)?)$"
+_DEVICE_RE = re.compile(DEVICES_PATTERN)
+
+
+class LayoutError(ValueError):
+    """A layout that is not valid; the message names the field."""
+
+
+def normalize_device(device: object) -> str:
+    """ "cpu" or "cuda:N": one spelling per device, so layouts compare equal."""
+    text = str(device)
+    if not _DEVICE_RE.fullmatch(text):
+        raise LayoutError(f"device {text!r} is not valid (expected cpu, cuda or cuda:N)")
+    return "cuda:0" if text == "cuda" else text
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """What a reader needs to allocate a destination tensor: shape, dtype name, device."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "dtype": self.dtype, "device": self.device}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = "tensor", *, ignore: frozenset[str] = frozenset()) -> TensorLayout:
+        """Parse and validate one layout; every failure is a LayoutError naming the field.
+
+        `ignore`: fields allowed and dropped (a CRD's tensors carry a `name` for people).
+        """
+        if not isinstance(obj, dict):
+            raise LayoutError(f"{where}: expected an object with shape, dtype and device")
+        unknown = set(obj) - {"shape", "dtype", "device"} - ignore
+        if unknown:
+            raise LayoutError(f"{where}: unknown field(s) {sorted(unknown)}")
+        shape = obj.get("shape")
+        if not isinstance(shape, list) or len(shape) > MAX_NDIM:
+            raise LayoutError(f"{where}.shape: expected a list of at most {MAX_NDIM} non-negative integers")
+        for dim in shape:
+            if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0 or dim >= 2**62:
+                raise LayoutError(f"{where}.shape: {dim!r} is not a non-negative integer")
+        dtype = obj.get("dtype")
+        if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+            raise LayoutError(f"{where}.dtype: {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+        device = obj.get("device", "cpu")
+        if not isinstance(device, str):
+            raise LayoutError(f"{where}.device: expected a string")
+        try:
+            layout = cls(tuple(shape), dtype, normalize_device(device))
+        except LayoutError as exc:
+            raise LayoutError(f"{where}.device: {exc}") from None
+        if layout.numel >= 2**62:
+            raise LayoutError(f"{where}: {layout.shape} has too many elements")
+        return layout
+
+
+def parse_layouts(obj: Any, where: str = "tensors", *, ignore: frozenset[str] = frozenset()) -> list[TensorLayout]:
+    """A non-empty JSON list of layouts."""
+    if not isinstance(obj, list) or not obj:
+        raise LayoutError(f"{where}: expected a non-empty list of tensor layouts")
+    if len(obj) > MAX_TENSORS:
+        raise LayoutError(f"{where}: at most {MAX_TENSORS} tensors per object")
+    return [TensorLayout.from_json(item, f"{where}[{i}]", ignore=ignore) for i, item in enumerate(obj)]

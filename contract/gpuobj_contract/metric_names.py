@@ -9,6 +9,8 @@ OBJECTS = "gpuobj_objects"  # gauge{state}
 OBJECT_BYTES = "gpuobj_object_bytes"  # gauge{state}
 CLAIMS = "gpuobj_claims"  # gauge
 LEAKED_BYTES = "gpuobj_leaked_bytes"  # gauge{namespace,pod}
+DEAD_HOLDER_BYTES = "gpuobj_dead_holder_bytes"  # gauge{namespace,pod}: the part of leaked bytes held by gone holders
+CLAIMS_DROPPED = "gpuobj_claims_dropped_total"  # counter{holder=pod|process|ttl}: gone holder, or TTL expired
 RECLAIMED_BYTES = "gpuobj_reclaimed_bytes_total"  # counter{namespace}
 FREE_LATENCY = "gpuobj_free_latency_seconds"  # histogram: last reference gone -> agent ack
 FREES = "gpuobj_frees_total"  # counter{result}

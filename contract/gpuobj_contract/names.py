@@ -5,7 +5,7 @@ Every module, manifest generator and test reads these; nothing spells them again
 
 from __future__ import annotations
 
-from gpuobj_contract.layouts import DTYPE_BYTES
+from gpuobj_contract.layouts import DEVICES_PATTERN, DTYPE_BYTES
 
 GROUP = "gpuobj.io"
 VERSION = "v1alpha1"
@@ -29,12 +29,18 @@ LABEL_OBJECT = f"{GROUP}/object"  # on a claim: the GPUObject it references
 LABEL_AGENT = f"{GROUP}/agent"  # on a pod: "true" when it runs a gpuobj agent
 ANNOTATION_AGENT_PORT = f"{GROUP}/agent-port"
 ANNOTATION_AGENT_HOST = f"{GROUP}/agent-host"  # overrides status.podIP (dev cluster: no kubelet, no pod network)
+ANNOTATION_SHARED_BY = f"{GROUP}/shared-by"  # on a claim made for a receiver: the sharing (source) pod
 ANNOTATION_SOURCE_ENDPOINT = f"{GROUP}/source-endpoint"  # the source agent, as the client library saw it
 
 # Agent defaults.
 AGENT_PORT_NAME = "gpuobj-agent"
 DEFAULT_AGENT_PORT = 8471
+# A pod's projected ServiceAccount token for agents (audience AGENT_AUDIENCE): the operator's proves it is
+# the operator, a workload's proves which pod reads. Rotated by the kubelet; re-read on every use.
 TOKEN_ENV = "GPUOBJ_TOKEN_FILE"
+AGENT_AUDIENCE = "gpuobj.io/agent"
+# The operator names the pod uid it means on every control call; an agent serving another pod refuses (409).
+HEADER_POD_UID = "Gpuobj-Pod-UID"
 
 # Object states (status.state) and condition types.
 STATE_PENDING = "Pending"
@@ -50,4 +56,4 @@ CONDITION_RELEASED = "Released"
 
 # Dtypes a GPUObject may declare: torch dtype names without the "torch." prefix.
 DTYPES = tuple(DTYPE_BYTES)
-DEVICES_PATTERN = r"^(cpu|cuda(:[0-9]+)?)$"
+__all__ = ["DEVICES_PATTERN", "DTYPES"]  # re-exported: layouts.py is their home

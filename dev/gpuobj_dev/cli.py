@@ -7,9 +7,10 @@ toolchain builder, the dev PKI or the demo; this entry point exists only in a ch
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from pathlib import Path
+
+from gpuobj.cli import add_delegated, run_delegated
 
 # subcommand -> (module with `main(argv) -> int`, help)
 DELEGATED = {
@@ -63,17 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR), help="where certificates, data and logs live")
     dev.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each component to become ready")
     dev.set_defaults(func=_dev_cluster)
-    for name, (_, help_text) in DELEGATED.items():
-        p = sub.add_parser(name, help=help_text, add_help=False)
-        p.add_argument("rest", nargs=argparse.REMAINDER)
+    add_delegated(sub, DELEGATED)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in DELEGATED:
-        module = importlib.import_module(DELEGATED[argv[0]][0])
-        return int(module.main(argv[1:]) or 0)
+    rc = run_delegated(DELEGATED, argv)
+    if rc is not None:
+        return rc
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

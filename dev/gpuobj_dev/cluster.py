@@ -410,12 +410,56 @@ class DevCluster:
         if not quiet:
             self.log("dev cluster down" if state else "dev cluster was not running")
 
+    # ------------------------------------------------------------ outages (chaos tests)
+
+    def stop_component(self, name: str, timeout: float = 15.0) -> None:
+        """Stop one component, as an outage would; ``start_component`` brings it back (same ports, same data).
+
+        Call both from the thread that started the cluster: with ``tie_to_parent`` a component dies with
+        the thread that spawned it."""
+        state = self.load_state()
+        if state is None or name not in COMPONENTS:
+            raise DevClusterError(f"no running dev cluster component {name!r}")
+        pid = state.pids.get(name)
+        if not pid or not _pid_alive(pid) or not _pid_is_ours(pid, str(self.state_dir)):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while _pid_alive(pid) and time.monotonic() < deadline:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+            time.sleep(0.05)
+        if _pid_alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+    def start_component(self, name: str, timeout: float = 60.0) -> None:
+        """Start a component stopped by ``stop_component`` and wait until the API server is ready again."""
+        state = self.load_state()
+        if state is None:
+            raise DevClusterError("no dev cluster state")
+        binaries = toolchain.ensure(["etcd", "kubernetes"])
+        if name == "etcd":
+            self._start_etcd(state, binaries["etcd"])
+            self._wait(lambda: self._etcd_healthy(state), "etcd", timeout, "etcd")
+        elif name == "kube-apiserver":
+            self._start_apiserver(state, binaries["kube-apiserver"])
+        elif name == "kube-controller-manager":
+            self._start_kcm(state, binaries["kube-controller-manager"])
+        else:
+            raise DevClusterError(f"unknown component {name!r}")
+        self._wait(lambda: self._get(state, "/readyz") == (200, "ok"), "kube-apiserver /readyz", timeout, name)
+
     # ------------------------------------------------------------ env
 
     def env(self) -> dict[str, str]:
         """Environment a shell needs to use this cluster with kubectl and helm."""
         path = os.pathsep.join([*toolchain.bin_path_entries(), os.environ.get("PATH", "")])
-        return {"KUBECONFIG": str(self.kubeconfig), "PATH": path}
+        # kubectl's discovery cache per cluster: loopback ports are reused by later clusters.
+        return {"KUBECONFIG": str(self.kubeconfig), "PATH": path, "KUBECACHEDIR": str(self.state_dir / "kube-cache")}
 
     def status_lines(self) -> list[str]:
         state = self.load_state()

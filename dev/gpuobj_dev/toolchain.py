@@ -27,6 +27,8 @@ TOOLCHAIN_ROOT = CACHE_ROOT / "toolchain"
 
 # Binaries each feature needs; `ensure` builds only what is asked for.
 ALL_TOOLS = ("etcd", "kubernetes", "helm", "prometheus")
+# The dev node adds a container runtime (`ensure containerd`); the control plane never needs it.
+NODE_TOOLS = ("containerd", "cri-tools")
 
 
 class ToolchainError(RuntimeError):
@@ -188,6 +190,8 @@ def _ldflags(tool: Tool, gomod: str = "") -> str:
             for pkg in ("helm.sh/helm/v3/pkg/lint/rules", "helm.sh/helm/v3/pkg/chartutil"):
                 k8s += f" -X {pkg}.k8sVersionMajor=1 -X {pkg}.k8sVersionMinor={minor.group(1)}"
         return f"-s -w -X helm.sh/helm/v3/internal/version.version={tool.version}{k8s}"
+    if tool.name == "containerd":
+        return f"-s -w -X {tool.module}/version.Version={tool.version}"
     if tool.name == "prometheus":
         release = tool.extra.get("release", tool.version)
         return f"-s -w -X github.com/prometheus/common/version.Version={release.lstrip('v')}"
@@ -195,17 +199,25 @@ def _ldflags(tool: Tool, gomod: str = "") -> str:
 
 
 def build(tool: Tool) -> None:
-    """Generate a tiny module pinning the tool, then go build its main packages into the cache."""
+    """Generate a tiny module pinning the tool, then go build its missing main packages into the cache.
+
+    Binaries are built one by one under a temporary name and renamed into place, so a binary added to
+    versions.toml later (kubelet next to kube-apiserver) is built alone and an interrupted build
+    leaves no half-written file behind."""
     go = _go()
     src = tool.home / "src"
-    tmp_bin = tool.home / "bin.partial"
     shutil.rmtree(src, ignore_errors=True)
-    shutil.rmtree(tmp_bin, ignore_errors=True)
+    shutil.rmtree(tool.home / "bin.partial", ignore_errors=True)  # left by older recipes
     src.mkdir(parents=True)
     env = _go_env(tool.home)
     started = time.monotonic()
+    missing = [
+        (pkg, name)
+        for pkg, name in zip(tool.packages, tool.binary_names, strict=True)
+        if not os.access(tool.bin_dir / name, os.X_OK)
+    ]
     print(
-        f"gpuobj toolchain: building {tool.name} {tool.version} ({', '.join(tool.binary_names)})"
+        f"gpuobj toolchain: building {tool.name} {tool.version} ({', '.join(n for _, n in missing)})"
         " from the Go module proxy",
         flush=True,
     )
@@ -220,20 +232,17 @@ def build(tool: Tool) -> None:
     _run([go, "get", *requires], src, f"go get {tool.name}", env)
     _run([go, "mod", "tidy", "-e"], src, f"go mod tidy {tool.name}", env)
     gomod = _module_gomod(tool, src, env)
-    tmp_bin.mkdir()
-    for pkg, name in zip(tool.packages, tool.binary_names, strict=True):
+    tool.bin_dir.mkdir(parents=True, exist_ok=True)
+    tags = ",".join(tool.extra.get("tags", []))
+    for pkg, name in missing:
         target = f"{tool.module}/{pkg}" if pkg else tool.module
         t0 = time.monotonic()
         print(f"  go build {target} -> {name}", flush=True)
-        _run(
-            [go, "build", "-v", "-trimpath", "-ldflags", _ldflags(tool, gomod), "-o", str(tmp_bin / name), target],
-            src,
-            f"build {name}",
-            env,
-        )
+        partial = tool.bin_dir / f".{name}.partial"
+        cmd = [go, "build", "-v", "-trimpath", "-ldflags", _ldflags(tool, gomod), "-o", str(partial)]
+        _run([*cmd, *(["-tags", tags] if tags else []), target], src, f"build {name}", env)
+        partial.rename(tool.bin_dir / name)
         print(f"  built {name} in {time.monotonic() - t0:.0f}s", flush=True)
-    shutil.rmtree(tool.bin_dir, ignore_errors=True)
-    tmp_bin.rename(tool.bin_dir)
     print(f"gpuobj toolchain: {tool.name} ready in {time.monotonic() - started:.0f}s at {tool.bin_dir}", flush=True)
 
 
@@ -260,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpuobj toolchain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_ensure = sub.add_parser("ensure", help="build missing tools into the cache")
-    p_ensure.add_argument("tools", nargs="*", default=list(ALL_TOOLS))
+    p_ensure.add_argument("tools", nargs="*", default=list(ALL_TOOLS), help=f"of {[*ALL_TOOLS, *NODE_TOOLS]}")
     sub.add_parser("paths", help="print the cached bin directories, one per line")
     sub.add_parser("status", help="show which tools are built")
     args = parser.parse_args(argv)

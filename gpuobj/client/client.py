@@ -28,11 +28,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gpuobj.client import errors
 from gpuobj.client.errors import FetchError, ObjectLostError, ObjectNotFoundError
 from gpuobj.client.handles import ObjectAddress, ObjectRef, SharedRef, TensorLayout
 from gpuobj.client.loop import LoopThread
 from gpuobj.client.streams import StreamReader, StreamWriter, adelete_stream
 from gpuobj.client.writebehind import DEFAULT_MAX_PENDING, DEFAULT_WINDOW, WriteBehind
+from gpuobj_agent.layouts import layout_of
+from gpuobj_contract import agent_api as api
 from gpuobj_contract import names
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, Conflict, KubeClient, NotFound
 from gpuobj_kube.config import KubeConfig
@@ -42,6 +45,9 @@ log = logging.getLogger("gpuobj.client")
 
 DEFAULT_TIMEOUT = 60.0
 POD_UID_TTL = 30.0
+# A fetch that failed because the source's process is gone waits this long for the operator to say Lost
+# (it probes agents every second or so), so the reader gets ObjectLostError, as for a deleted pod.
+LOST_WAIT = 5.0
 HANDOFF_RELEASE_TIMEOUT = 5.0
 
 Release = tuple[str, str, str, str, "str | None"]  # (kind, namespace, name, uid, via)
@@ -79,10 +85,71 @@ def _at_shutdown(fn) -> None:
         atexit.register(fn)
 
 
-def layout_of(tensor: Any) -> TensorLayout:
-    return TensorLayout(
-        tuple(int(d) for d in tensor.shape), str(tensor.dtype).removeprefix("torch."), str(tensor.device)
-    )
+def _pod_environment(**given: Any) -> dict[str, Any]:
+    """Arguments given, else the downward-API environment; a clear error naming every variable missing."""
+    from gpuobj_agent import config as agent_config  # one home for the variable names
+
+    sources = {
+        "pod_name": agent_config.POD_NAME_ENV,
+        "namespace": agent_config.POD_NAMESPACE_ENV,
+        "pod_uid": agent_config.POD_UID_ENV,
+        "token_file": names.TOKEN_ENV,
+        "port": agent_config.PORT_ENV,
+    }
+    values = {key: given[key] if given.get(key) is not None else os.environ.get(var) for key, var in sources.items()}
+    values["port"] = values["port"] or names.DEFAULT_AGENT_PORT
+    missing = [sources[k] for k, v in values.items() if not v]
+    if missing:
+        raise errors.ConfigurationError(
+            f"Client.connect(): {', '.join(missing)} not set; in a pod set them from the downward API "
+            "(see docs/workload-pods.md and deploy/examples/workload-pod.yaml), or pass the arguments"
+        )
+    try:
+        values["port"] = int(values["port"])
+    except ValueError:
+        raise errors.ConfigurationError(f"{agent_config.PORT_ENV}={values['port']!r} is not a port number") from None
+    return values
+
+
+def _describe(ref: Any) -> str:
+    address = getattr(ref, "address", ref)
+    return f"GPUObject {getattr(address, 'namespace', '?')}/{getattr(address, 'name', '?')}"
+
+
+def _live_address(ref: ObjectRef | ObjectAddress, action: str) -> ObjectAddress:
+    """The address of a handle that still holds its reference; a released one refuses (it no longer keeps the bytes)."""
+    if isinstance(ref, ObjectRef):
+        if ref.kind != "address" and not ref.alive:
+            raise errors.ReleasedHandleError(
+                f"cannot {action} {_describe(ref)}: this handle was released; borrow or adopt a new reference"
+            )
+        return ref.address
+    if isinstance(ref, ObjectAddress):
+        return ref
+    raise TypeError(f"cannot {action} {type(ref).__name__}: expected an ObjectRef or ObjectAddress")
+
+
+def _tensor_list(tensors: Any, *, what: str) -> list:
+    """A list of torch tensors from a tensor or a list/tuple of them; anything else is a clear error."""
+    import torch
+
+    items = list(tensors) if isinstance(tensors, list | tuple) else [tensors]
+    if not items:
+        raise errors.InvalidTensorError(f"{what}: no tensors given (pass a tensor or a non-empty list of tensors)")
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise errors.InvalidTensorError(
+                f"{what}: item {i} is a {type(t).__name__}, not a torch.Tensor "
+                "(pass a tensor or a list/tuple of tensors; convert with torch.as_tensor)"
+            )
+    return items
+
+
+def _source_may_be_gone(exc: BaseException) -> bool:
+    """The source agent refused us or no longer knows the object: its process may have died (or freed it)."""
+    from gpuobj_agent.errors import ObjectGone, SourceUnavailable
+
+    return isinstance(exc, SourceUnavailable | ObjectGone)
 
 
 class Client:
@@ -126,6 +193,7 @@ class Client:
         self._release_event = asyncio.Event()
         self._release_lock = asyncio.Lock()
         self._live: weakref.WeakSet[ObjectRef] = weakref.WeakSet()
+        self._read_once: weakref.WeakSet[ObjectRef] = weakref.WeakSet()
         self._pod_uids: dict[tuple[str, str], tuple[str, float]] = {}
         self._reading_lock = threading.Lock()
         self._reading: dict[str, int] = {}  # claim name -> fetches in flight under it
@@ -164,26 +232,37 @@ class Client:
     def connect(
         cls,
         *,
-        pod_name: str,
-        namespace: str,
-        pod_uid: str,
-        token_file: str | Path,
+        pod_name: str | None = None,
+        namespace: str | None = None,
+        pod_uid: str | None = None,
+        token_file: str | Path | None = None,
         host: str = "0.0.0.0",
-        port: int = names.DEFAULT_AGENT_PORT,
+        port: int | None = None,
         kubeconfig: str | Path | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> Client:
         """Start the embedded agent in this process and connect to the API server.
 
-        With a wildcard ``host`` the agent advertises $GPUOBJ_POD_IP (the downward API's
-        status.podIP), so other pods reach it at the pod's address.
+        In a pod, `Client.connect()` with no arguments reads the documented downward-API
+        environment (docs/workload-pods.md): GPUOBJ_POD_NAME, GPUOBJ_POD_NAMESPACE, GPUOBJ_POD_UID,
+        GPUOBJ_TOKEN_FILE, and optionally GPUOBJ_POD_IP and GPUOBJ_AGENT_PORT. With a wildcard
+        ``host`` the agent advertises $GPUOBJ_POD_IP, so other pods reach it at the pod's address.
         """
+        env = _pod_environment(
+            pod_name=pod_name, namespace=namespace, pod_uid=pod_uid, token_file=token_file, port=port
+        )
+        pod_name, namespace, pod_uid, token_file, port = (
+            env["pod_name"], env["namespace"], env["pod_uid"], env["token_file"], int(env["port"])
+        )  # fmt: skip
         from gpuobj_agent.runtime import AgentRuntime
 
         agent = AgentRuntime(
             pod_name=pod_name, namespace=namespace, pod_uid=pod_uid, host=host, port=port, token_file=str(token_file)
         )
-        agent.start()
+        try:
+            agent.start()
+        except Exception as exc:
+            raise errors.agent_error(exc, what=f"start the gpuobj agent on port {port}") from exc
         try:
             return cls(
                 pod_name=pod_name,
@@ -195,17 +274,36 @@ class Client:
                 timeout=timeout,
                 owns_agent=True,
             )
-        except BaseException:
+        except BaseException as exc:
             agent.stop()
-            raise
+            raise errors.agent_error(exc, what="connect to the API server") from exc
 
     # ------------------------------------------------------------ sync facade
 
-    def _call(self, coro):
-        return self._loop.call(coro, self.timeout)
+    def _call(self, coro, what: str):
+        """Run on the client loop; whatever goes wrong underneath comes out as a GpuObjError."""
+        try:
+            return self._loop.call(coro, self.timeout)
+        except BaseException as exc:
+            err = errors.agent_error(exc, what=what)
+            if err is exc:
+                raise
+            raise err from exc
 
-    def put(self, tensors: Any, *, name: str | None = None, labels: dict[str, str] | None = None) -> ObjectRef:
-        return self._call(self.aput_inner(tensors, name=name, labels=labels))
+    async def _acall(self, coro, what: str):
+        try:
+            return await self._loop.acall(coro, self.timeout)
+        except BaseException as exc:
+            err = errors.agent_error(exc, what=what)
+            if err is exc:
+                raise
+            raise err from exc
+
+    def put(
+        self, tensors: Any, *, name: str | None = None, labels: dict[str, str] | None = None, copy: bool = False
+    ) -> ObjectRef:
+        """Store tensors (zero-copy unless `copy`) as a GPUObject whose source is this pod."""
+        return self._call(self.aput_inner(tensors, name=name, labels=labels, copy=copy), "put")
 
     def fetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
         if (
@@ -221,18 +319,38 @@ class Client:
                 if ref.alive:
                     address = ref.address
                     with contextlib.suppress(Exception):  # stale grant or error: the full path says why
-                        return self.agent.fetch_granted_direct(
+                        tensors = self.agent.fetch_granted_direct(
                             address.source_endpoint, address.object_id, ref.grant, device=device, timeout=self.timeout
                         )
+                        if ref in self._read_once:
+                            ref.release()  # a read-once hand-off: its one read is done (lands after _end_read)
+                        return tensors
             finally:
                 self._end_read(claim)
-        return self._call(self.afetch_inner(ref, device=device))
+        return self._call(self.afetch_inner(ref, device=device), f"fetch {_describe(ref)}")
 
-    def borrow(self, ref: ObjectRef | ObjectAddress) -> ObjectRef:
-        return self._call(self.aborrow_inner(ref))
+    def borrow(self, ref: ObjectRef | ObjectAddress, *, ttl: int | None = None) -> ObjectRef:
+        """Claim for this process. ``ttl``: seconds after which the operator drops the claim regardless."""
+        return self._call(self.aborrow_inner(ref, ttl=ttl), f"borrow {_describe(ref)}")
 
-    def share(self, ref: ObjectRef | ObjectAddress, pod_name: str, pod_uid: str | None = None) -> SharedRef:
-        return self._call(self.ashare_inner(ref, pod_name, pod_uid))
+    def share(
+        self,
+        ref: ObjectRef | ObjectAddress,
+        pod_name: str,
+        pod_uid: str | None = None,
+        *,
+        incarnation: str | None = None,
+        ttl: int | None = None,
+        read_once: bool = False,
+    ) -> SharedRef:
+        """Claim on ``pod_name``'s behalf. With the receiver's ``incarnation`` (its ``client.incarnation``) the
+        claim dies with the receiver's process; without it, with the receiver's pod. ``ttl``: the operator
+        drops the claim that many seconds after it was made, even if the receiver hangs. ``read_once``:
+        the receiver's handle releases itself after its first completed fetch (a KV-style hand-off)."""
+        return self._call(
+            self.ashare_inner(ref, pod_name, pod_uid, incarnation, ttl=ttl, read_once=read_once),
+            f"share {_describe(ref)} with pod {pod_name}",
+        )
 
     def adopt(self, shared: SharedRef) -> ObjectRef:
         return self._adopt(shared)
@@ -240,11 +358,11 @@ class Client:
     def release(self, ref: ObjectRef) -> None:
         """Drop a reference: an elided object is freed before this returns; otherwise its delete is
         queued (`flush` waits for it to land). Releases are never refused and never dropped."""
-        self._call(self.arelease_inner(ref))
+        self._call(self.arelease_inner(ref), f"release {_describe(ref)}")
 
     def flush(self, timeout: float | None = None) -> None:
         """Send every queued API write now and wait until all have landed."""
-        self._call(self.aflush_inner(timeout))
+        self._call(self.aflush_inner(timeout), "flush the queued API writes")
 
     async def aflush(self, timeout: float | None = None) -> None:
         await self._loop.acall(self.aflush_inner(timeout), self.timeout if timeout is None else timeout + 5)
@@ -256,34 +374,51 @@ class Client:
 
     def write_stats(self) -> dict:
         """The write-behind queue: pending writes, families, sent, elided, retries, last error."""
-        return self._call(self._astats())
+        return self._call(self._astats(), "read the write-behind stats")
 
     async def _astats(self) -> dict:
         return self._wb.stats() if self._wb is not None else {"pending": 0}
 
     def publish(self, key: str, tensors: Any) -> None:
         """Offer tensors under a key, for a GPUObject declared with kubectl (spec.key) to bind."""
-        self.agent.publish(key, list(tensors) if isinstance(tensors, list | tuple) else [tensors])
+        try:
+            self.agent.publish(key, _tensor_list(tensors, what=f"publish {key!r}"))
+        except Exception as exc:
+            raise errors.agent_error(exc, what=f"publish {key!r}") from exc
 
     def get_object(self, name: str) -> dict:
-        return self._call(self._kube.get(GPUOBJECTS, name, self.namespace))
+        return self._call(self._kube.get(GPUOBJECTS, name, self.namespace), f"get GPUObject {name}")
 
     # ------------------------------------------------------------ async facade (asyncio workloads)
 
-    async def aput(self, tensors: Any, *, name: str | None = None, labels: dict[str, str] | None = None) -> ObjectRef:
-        return await self._loop.acall(self.aput_inner(tensors, name=name, labels=labels), self.timeout)
+    async def aput(
+        self, tensors: Any, *, name: str | None = None, labels: dict[str, str] | None = None, copy: bool = False
+    ) -> ObjectRef:
+        return await self._acall(self.aput_inner(tensors, name=name, labels=labels, copy=copy), "put")
 
     async def afetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
-        return await self._loop.acall(self.afetch_inner(ref, device=device), self.timeout)
+        return await self._acall(self.afetch_inner(ref, device=device), f"fetch {_describe(ref)}")
 
-    async def aborrow(self, ref: ObjectRef | ObjectAddress) -> ObjectRef:
-        return await self._loop.acall(self.aborrow_inner(ref), self.timeout)
+    async def aborrow(self, ref: ObjectRef | ObjectAddress, *, ttl: int | None = None) -> ObjectRef:
+        return await self._acall(self.aborrow_inner(ref, ttl=ttl), f"borrow {_describe(ref)}")
 
-    async def ashare(self, ref: ObjectRef | ObjectAddress, pod_name: str, pod_uid: str | None = None) -> SharedRef:
-        return await self._loop.acall(self.ashare_inner(ref, pod_name, pod_uid), self.timeout)
+    async def ashare(
+        self,
+        ref: ObjectRef | ObjectAddress,
+        pod_name: str,
+        pod_uid: str | None = None,
+        *,
+        incarnation: str | None = None,
+        ttl: int | None = None,
+        read_once: bool = False,
+    ) -> SharedRef:
+        return await self._acall(
+            self.ashare_inner(ref, pod_name, pod_uid, incarnation, ttl=ttl, read_once=read_once),
+            f"share {_describe(ref)} with {pod_name}",
+        )
 
     async def arelease(self, ref: ObjectRef) -> None:
-        await self._loop.acall(self.arelease_inner(ref), self.timeout)
+        await self._acall(self.arelease_inner(ref), f"release {_describe(ref)}")
 
     # ------------------------------------------------------------ implementation (runs on the client loop)
 
@@ -303,9 +438,9 @@ class Client:
             "annotations": {names.ANNOTATION_SOURCE_ENDPOINT: self.agent.endpoint},
         }
         spec: dict = {
-            "source": {"podName": self.pod_name, "podUID": self.pod_uid},
+            "source": {"podName": self.pod_name, "podUID": self.pod_uid, **self._incarnation_field()},
             "objectId": object_id,
-            "tensors": [t.to_spec() for t in layouts],
+            "tensors": [t.to_json() for t in layouts],
         }
         if stream is not None:
             stream_name, index, stream_uid = stream
@@ -328,13 +463,14 @@ class Client:
         name: str | None = None,
         labels: dict[str, str] | None = None,
         stream: tuple[str, int, str] | None = None,
+        copy: bool = False,
     ) -> ObjectRef:
-        tensors = list(tensors) if isinstance(tensors, list | tuple) else [tensors]
+        tensors = _tensor_list(tensors, what="put")
         object_id = f"o-{_short_id()}"
         name = name or f"{self.pod_name}-{object_id[2:12]}"
         layouts = tuple(layout_of(t) for t in tensors)
         stream_kw = {"stream": stream[0], "stream_index": stream[1]} if stream else {}
-        await self.agent.aput(object_id, tensors, **stream_kw)
+        await self.agent.aput(object_id, tensors, copy=copy, **stream_kw)
         if self._wb is not None and stream is None:
             body = self.object_body(name, object_id, layouts, labels=labels)
             try:
@@ -360,34 +496,41 @@ class Client:
         return self._track(ObjectRef(address, "owner", self._enqueue_release))
 
     async def afetch_inner(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
-        address = ref.address if isinstance(ref, ObjectRef) else ref
+        address = _live_address(ref, "fetch")  # a released handle refuses
         granted = isinstance(ref, ObjectRef) and ref.grant is not None and ref.claim_name is not None
-        if granted and not ref.alive:  # type: ignore[union-attr]
-            raise ObjectNotFoundError(f"this reference to {address.namespace}/{address.name} was released")
         claim = ref.claim_name if granted else None  # type: ignore[union-attr]
         if claim is not None:
             self._begin_read(claim)  # its release waits for this read
         try:
             # The runtime's async API runs on the agent's own loop: no thread is blocked waiting.
             if claim is not None:
-                return await self.agent.afetch_granted(
+                tensors = await self.agent.afetch_granted(
                     address.source_endpoint,
                     address.object_id,
                     ref.grant,
                     device=device,
                     token=self._token(),  # type: ignore[union-attr]
                 )
-            return await self.agent.afetch(
-                address.source_endpoint, address.object_id, device=device, token=self._token()
-            )
+            else:
+                tensors = await self.agent.afetch(
+                    address.source_endpoint, address.object_id, device=device, token=self._token()
+                )
+            if isinstance(ref, ObjectRef) and ref in self._read_once:
+                await self.arelease_inner(ref)  # a read-once hand-off: its one read is done
+            return tensors
         except Exception as exc:
             # Say why: a Lost object (source gone) reads differently from a freed one.
-            try:
-                obj = await self._kube.get(GPUOBJECTS, address.name, address.namespace)
-            except NotFound:
-                raise ObjectNotFoundError(
-                    f"GPUObject {address.namespace}/{address.name} no longer exists (freed): {exc}"
-                ) from exc
+            deadline = time.monotonic() + (LOST_WAIT if _source_may_be_gone(exc) else 0.0)
+            while True:
+                try:
+                    obj = await self._kube.get(GPUOBJECTS, address.name, address.namespace)
+                except NotFound:
+                    raise ObjectNotFoundError(
+                        f"GPUObject {address.namespace}/{address.name} no longer exists (freed): {exc}"
+                    ) from exc
+                if (obj.get("status") or {}).get("state") == names.STATE_LOST or time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(0.25)
             status = obj.get("status") or {}
             if status.get("state") == names.STATE_LOST:
                 reason = next(
@@ -428,9 +571,31 @@ class Client:
     def _token(self) -> str | None:
         return self.token_file.read_text().strip() if self.token_file else None
 
-    @staticmethod
-    def _claim_body(address: ObjectAddress, holder_pod: str, holder_uid: str) -> dict:
-        spec: dict = {"objectName": address.name, "holder": {"podName": holder_pod}}
+    @property
+    def incarnation(self) -> str | None:
+        """This process's agent incarnation: a sender passes it to ``share`` so the claim dies with us."""
+        return getattr(self.agent, "incarnation", None)
+
+    def _incarnation_field(self, incarnation: str | None = None) -> dict:
+        value = incarnation or self.incarnation
+        return {"incarnation": value} if value else {}
+
+    def _claim_body(
+        self,
+        address: ObjectAddress,
+        holder_pod: str,
+        holder_uid: str,
+        incarnation: str | None = None,
+        ttl: int | None = None,
+    ) -> dict:
+        if ttl is not None and (not isinstance(ttl, int) or ttl < 1):
+            raise ValueError(f"ttl must be a whole number of seconds >= 1, not {ttl!r}")
+        spec: dict = {
+            "objectName": address.name,
+            # Scoped to a process: ours, or the receiver's when the sender knows it.
+            "holder": {"podName": holder_pod, **({"incarnation": incarnation} if incarnation else {})},
+            **({"ttlSeconds": ttl} if ttl else {}),
+        }
         if address.uid:
             spec["objectUID"] = address.uid  # else the write-behind pins the uid it created
         return {
@@ -438,23 +603,33 @@ class Client:
                 "name": f"{address.name[:200]}-{holder_pod[:40]}-{_short_id()[:6]}",
                 "labels": {names.LABEL_OBJECT: address.name[:63]},
                 "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": holder_pod, "uid": holder_uid}],
+                # On a receiver's behalf: say who shares, so admission can check it is us (docs/security.md).
+                **({"annotations": {names.ANNOTATION_SHARED_BY: self.pod_name}} if holder_pod != self.pod_name else {}),
             },
             "spec": spec,
         }
 
-    async def _create_claim(self, address: ObjectAddress, holder_pod: str, holder_uid: str) -> dict:
-        return await self._kube.create(CLAIMS, self._claim_body(address, holder_pod, holder_uid), address.namespace)
+    async def _create_claim(
+        self,
+        address: ObjectAddress,
+        holder_pod: str,
+        holder_uid: str,
+        incarnation: str | None = None,
+        ttl: int | None = None,
+    ) -> dict:
+        body = self._claim_body(address, holder_pod, holder_uid, incarnation, ttl)
+        return await self._kube.create(CLAIMS, body, address.namespace)
 
-    async def aborrow_inner(self, ref: ObjectRef | ObjectAddress) -> ObjectRef:
-        address = ref.address if isinstance(ref, ObjectRef) else ref
+    async def aborrow_inner(self, ref: ObjectRef | ObjectAddress, ttl: int | None = None) -> ObjectRef:
+        address = _live_address(ref, "borrow")
         if self._wb is not None:
-            body = self._claim_body(address, self.pod_name, self.pod_uid)
+            body = self._claim_body(address, self.pod_name, self.pod_uid, self.incarnation, ttl)
             name = body["metadata"]["name"]
             record = await self._wb.create_claim(address.namespace, address.name, name, body)
             return self._track(
                 ObjectRef(address, "claim", self._enqueue_release, claim_name=name, claim_uid="", record=record)
             )
-        created = await self._create_claim(address, self.pod_name, self.pod_uid)
+        created = await self._create_claim(address, self.pod_name, self.pod_uid, self.incarnation, ttl)
         return self._track(
             ObjectRef(
                 address,
@@ -465,12 +640,21 @@ class Client:
             )
         )
 
-    async def ashare_inner(self, ref: ObjectRef | ObjectAddress, pod_name: str, pod_uid: str | None) -> SharedRef:
-        address = ref.address if isinstance(ref, ObjectRef) else ref
+    async def ashare_inner(
+        self,
+        ref: ObjectRef | ObjectAddress,
+        pod_name: str,
+        pod_uid: str | None,
+        incarnation: str | None = None,
+        *,
+        ttl: int | None = None,
+        read_once: bool = False,
+    ) -> SharedRef:
+        address = _live_address(ref, "share")
         if pod_uid is None:
             pod_uid = await self._pod_uid(address.namespace, pod_name)
         if self._wb is not None:
-            body = self._claim_body(address, pod_name, pod_uid)
+            body = self._claim_body(address, pod_name, pod_uid, incarnation, ttl)
             name = body["metadata"]["name"]
             await self._wb.create_claim(address.namespace, address.name, name, body)
             grant = None
@@ -478,9 +662,11 @@ class Client:
                 # Our own object: the receiver reads it with no request here (the claim keeps it).
                 with contextlib.suppress(Exception):
                     grant = await self.agent.agrant(address.object_id)
-            return SharedRef(address, name, "", pod_name, grant=grant, release_via=self.agent.endpoint)
-        created = await self._create_claim(address, pod_name, pod_uid)
-        return SharedRef(address, created["metadata"]["name"], created["metadata"]["uid"], pod_name)
+            return SharedRef(
+                address, name, "", pod_name, read_once=read_once, grant=grant, release_via=self.agent.endpoint
+            )
+        created = await self._create_claim(address, pod_name, pod_uid, incarnation, ttl)
+        return SharedRef(address, created["metadata"]["name"], created["metadata"]["uid"], pod_name, read_once)
 
     async def _pod_uid(self, namespace: str, pod_name: str) -> str:
         """The receiver's current incarnation, cached briefly: a claim made for an incarnation that has
@@ -489,14 +675,22 @@ class Client:
         cached = self._pod_uids.get((namespace, pod_name))
         if cached and now - cached[1] < POD_UID_TTL:
             return cached[0]
-        uid = (await self._kube.get(PODS, pod_name, namespace))["metadata"]["uid"]
+        try:
+            uid = (await self._kube.get(PODS, pod_name, namespace))["metadata"]["uid"]
+        except NotFound:
+            raise errors.PodNotFoundError(
+                f"pod {namespace}/{pod_name} does not exist: share with a running pod (check its name)"
+            ) from None
         self._pod_uids[(namespace, pod_name)] = (uid, now)
         return uid
 
     def _adopt(self, shared: SharedRef) -> ObjectRef:
         if shared.holder_pod != self.pod_name:
-            raise ValueError(f"this reference was shared with pod {shared.holder_pod}, not {self.pod_name}")
-        return self._track(
+            raise errors.GpuObjError(
+                f"this reference was shared with pod {shared.holder_pod}, not {self.pod_name}: "
+                f"share it with {self.pod_name} instead"
+            )
+        ref = self._track(
             ObjectRef(
                 shared.address,
                 "claim",
@@ -507,6 +701,9 @@ class Client:
                 via=shared.release_via,
             )
         )
+        if shared.read_once:
+            self._read_once.add(ref)
+        return ref
 
     def _track(self, ref: ObjectRef) -> ObjectRef:
         self._live.add(ref)
@@ -529,7 +726,7 @@ class Client:
 
     def stream_writer(self, name: str) -> StreamWriter:
         """Create the GPUObjectStream ``name`` with this pod as producer."""
-        return self._call(StreamWriter.acreate(self, name))
+        return self._call(StreamWriter.acreate(self, name), f"create stream {name}")
 
     async def astream_writer(self, name: str) -> StreamWriter:
         return await self._loop.acall(StreamWriter.acreate(self, name), self.timeout)
@@ -540,7 +737,7 @@ class Client:
 
     def delete_stream(self, name: str) -> None:
         """Delete the stream: every item in it is freed, reported or not."""
-        self._call(adelete_stream(self, name))
+        self._call(adelete_stream(self, name), f"delete stream {name}")
 
     # ------------------------------------------------------------ releases from finalizers
 
@@ -605,7 +802,7 @@ class Client:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
             async with self._http.post(
-                f"http://{via}/v1/claims/{claim}/release",
+                f"http://{via}{api.RELEASE_HANDOFF.path(claim=claim)}",
                 json={},
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=HANDOFF_RELEASE_TIMEOUT),

@@ -14,21 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuobj_contract.layouts import tensor_bytes
+from gpuobj_contract.layouts import TensorLayout
 
-
-@dataclass(frozen=True)
-class TensorLayout:
-    shape: tuple[int, ...]
-    dtype: str
-    device: str
-
-    def to_spec(self) -> dict:
-        return {"shape": list(self.shape), "dtype": self.dtype, "device": self.device}
-
-    @classmethod
-    def from_spec(cls, spec: dict) -> TensorLayout:
-        return cls(tuple(int(d) for d in spec.get("shape", [])), spec["dtype"], spec.get("device", "cpu"))
+__all__ = ["ObjectAddress", "ObjectRef", "SharedRef", "TensorLayout"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +33,7 @@ class ObjectAddress:
 
     @property
     def bytes(self) -> int:
-        return tensor_bytes([t.to_spec() for t in self.layouts])
+        return sum(t.nbytes for t in self.layouts)
 
 
 ReleaseFn = Callable[..., None]  # (kind, namespace, name, uid, via): plain data only
@@ -150,5 +138,6 @@ class SharedRef:
     claim_name: str
     claim_uid: str  # "" while the source's write-behind has not recorded the claim
     holder_pod: str
+    read_once: bool = False  # the receiver's handle releases itself after its first completed fetch
     grant: dict | None = None  # read grant from the source: a fetch needs no request (see agent store.grant)
     release_via: str | None = None  # the source agent that takes this claim's release

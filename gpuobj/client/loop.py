@@ -49,6 +49,8 @@ class LoopThread:
         try:
             return future.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
+            if future.done():
+                raise  # the operation itself timed out (e.g. gpuobj_kube.client.ApiTimeout): say that, not ours
             future.cancel()
             raise TimeoutError(f"gpuobj operation did not finish within {timeout:.0f}s") from None
 

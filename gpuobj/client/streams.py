@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from gpuobj.client.errors import StreamClosedError
-from gpuobj.client.handles import ObjectAddress, TensorLayout
+from gpuobj.client.handles import ObjectAddress
 from gpuobj_contract import names
+from gpuobj_contract.layouts import parse_layouts
 from gpuobj_kube.client import GPUOBJECTS, STREAMS, Conflict, Gone, NotFound, wait_for
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ class StreamWriter:
         return index
 
     def emit(self, tensors: Any) -> int:
-        return self.client._call(self.aemit(tensors))
+        return self.client._call(self.aemit(tensors), f"emit to stream {self.name}")
 
     async def aclose(self) -> None:
         """Mark the end: readers stop after the last emitted item."""
@@ -78,7 +79,7 @@ class StreamWriter:
         )
 
     def close(self) -> None:
-        self.client._call(self.aclose())
+        self.client._call(self.aclose(), f"close stream {self.name}")
 
 
 class StreamReader:
@@ -214,7 +215,7 @@ class StreamReader:
         agen = self.aiter()
         while True:
             try:
-                yield self.client._call(agen.__anext__())
+                yield self.client._call(agen.__anext__(), f"read stream {self.name}")
             except StopAsyncIteration:
                 return
 
@@ -242,7 +243,7 @@ def _address_of(obj: dict) -> ObjectAddress:
         spec["objectId"],
         spec["source"]["podName"],
         endpoint,
-        tuple(TensorLayout.from_spec(t) for t in spec["tensors"]),
+        tuple(parse_layouts(spec["tensors"], "spec.tensors", ignore=frozenset({"name"}))),
     )
 
 

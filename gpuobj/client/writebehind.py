@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuobj.client.errors import GpuObjError
+from gpuobj.client.errors import GpuObjError, NameTakenError
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, ApiError, Conflict, KubeClient, NotFound
 
 log = logging.getLogger("gpuobj.client.writebehind")
@@ -186,7 +186,10 @@ class WriteBehind:
         """Queue a GPUObject create; returns its record at once (after backpressure, if full)."""
         await self._wait_room()
         if (namespace, name) in self.families:
-            raise WriteFailedError(f"GPUObject {namespace}/{name} is already queued by this process")
+            raise NameTakenError(
+                f"GPUObject {namespace}/{name}: this process already holds an object of that name; "
+                "choose another name (or omit it for a generated one)"
+            )
         fam = self._family(namespace, name)
         fam.object_id = object_id
         rec = Record("object", namespace, name)

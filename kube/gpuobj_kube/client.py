@@ -81,6 +81,12 @@ class Conflict(ApiError):
         return self.reason == "AlreadyExists"
 
 
+class ApiTimeout(ApiError, TimeoutError):
+    """No answer from the API server within the request's deadline: it is down, overloaded or cut off.
+
+    A TimeoutError too, so code that waits on deadlines treats it as one; its message names the request."""
+
+
 class Gone(ApiError):
     """410: a watch's resourceVersion is too old; list again."""
 
@@ -128,12 +134,17 @@ class KubeClient:
 
     def _headers(self, content_type: str | None = None) -> dict[str, str]:
         headers = {"Accept": "application/json"}
-        token = self.config.bearer()
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
+        authorization = self.config.authorization()
+        if authorization:
+            headers["Authorization"] = authorization
         if content_type:
             headers["Content-Type"] = content_type
         return headers
+
+    async def _fresh_credentials(self) -> None:
+        """Reload expired credentials off the event loop: an exec plugin may take a while to answer."""
+        if self.config.needs_refresh():
+            await asyncio.to_thread(self.config.credentials)
 
     @staticmethod
     async def _raise_for(resp: aiohttp.ClientResponse) -> None:
@@ -158,28 +169,40 @@ class KubeClient:
         timeout: float | None = None,
     ) -> dict:
         """One API call. A 429 (priority and fairness, a CRD's cache warming up) is retried after
-        its Retry-After, as client-go does, within the same deadline."""
+        its Retry-After, as client-go does, within the same deadline; a 401 once, with credentials
+        loaded again (an expired exec-plugin token, a rotated token file)."""
         data = None if body is None else (body if isinstance(body, str | bytes) else json.dumps(body))
         deadline = asyncio.get_running_loop().time() + (timeout or self.request_timeout)
+        reauthenticated = False
         while True:
+            await self._fresh_credentials()
             left = deadline - asyncio.get_running_loop().time()
-            async with self.session.request(
-                method,
-                self.config.server + path,
-                params={k: str(v) for k, v in (params or {}).items() if v is not None},
-                data=data,
-                headers=self._headers(content_type if data is not None else None),
-                timeout=aiohttp.ClientTimeout(total=max(left, 0.1)),
-            ) as resp:
-                if resp.status == 429:
-                    delay = min(float(resp.headers.get("Retry-After", "1") or 1), 1.0)
-                    if asyncio.get_running_loop().time() + delay < deadline:
-                        await asyncio.sleep(delay)
+            try:
+                async with self.session.request(
+                    method,
+                    self.config.server + path,
+                    params={k: str(v) for k, v in (params or {}).items() if v is not None},
+                    data=data,
+                    headers=self._headers(content_type if data is not None else None),
+                    timeout=aiohttp.ClientTimeout(total=max(left, 0.1)),
+                ) as resp:
+                    if resp.status == 429:
+                        delay = min(float(resp.headers.get("Retry-After", "1") or 1), 1.0)
+                        if asyncio.get_running_loop().time() + delay < deadline:
+                            await asyncio.sleep(delay)
+                            continue
+                    if resp.status == 401 and not reauthenticated:
+                        reauthenticated = True
+                        await asyncio.to_thread(self.config.invalidate)
                         continue
-                await self._raise_for(resp)
-                if resp.status == 204:
-                    return {}
-                return await resp.json(content_type=None)
+                    await self._raise_for(resp)
+                    if resp.status == 204:
+                        return {}
+                    return await resp.json(content_type=None)
+            except TimeoutError as exc:
+                waited = timeout or self.request_timeout
+                message = f"{method} {path}: no answer from the API server at {self.config.server} in {waited:g}s"
+                raise ApiTimeout(0, "Timeout", message) from exc
 
     # ------------------------------------------------------------ verbs
 
@@ -292,6 +315,7 @@ class KubeClient:
         timeout_seconds: int = 300,
     ) -> AsyncIterator[tuple[str, dict]]:
         """Yield (type, object) until the server ends the watch; raises Gone when the version is too old."""
+        await self._fresh_credentials()
         params = {
             "watch": "true",
             "allowWatchBookmarks": "true",
@@ -308,6 +332,8 @@ class KubeClient:
                 total=None, sock_connect=self.request_timeout, sock_read=timeout_seconds + 30
             ),
         ) as resp:
+            if resp.status == 401:  # the caller watches again, with credentials loaded again
+                await asyncio.to_thread(self.config.invalidate)
             await self._raise_for(resp)
             async for raw in resp.content:
                 line = raw.strip()

@@ -1,113 +1,275 @@
-"""Where the API server is and how to authenticate: kubeconfig or in-cluster ServiceAccount.
+"""Where the API server is and how to authenticate, with credentials borrowed from the `kubernetes` package.
 
-Why our own loader: the async client below needs an ``ssl.SSLContext`` and a server URL,
-nothing more, and both the operator and workloads must work in and out of a cluster.
+Why borrowed: kubeconfig users come as tokens, token files, client certificates, `exec`
+plugins (EKS `aws eks get-token`, GKE `gke-gcloud-auth-plugin`, AKS `kubelogin`) and
+`auth-provider`s, in one file or several (`KUBECONFIG=a:b`), or as an in-cluster
+ServiceAccount whose projected token rotates. The `kubernetes` package's loaders handle
+all of that as client-go does; kopf piggybacks on them the same way. We keep our own REST
+verbs (kube/gpuobj_kube/client.py) and ask this module for one thing per request: the
+Authorization header, refreshed when it expires and re-read after a 401.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
+import datetime as dt
+import logging
 import os
 import ssl
-import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
+from kubernetes.client import Configuration
+from kubernetes.config.config_exception import ConfigException
+from kubernetes.config.incluster_config import SERVICE_TOKEN_FILENAME, InClusterConfigLoader
+from kubernetes.config.kube_config import ENV_KUBECONFIG_PATH_SEPARATOR, KubeConfigLoader, KubeConfigMerger
 
-SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+SA_DIR = Path(SERVICE_TOKEN_FILENAME).parent
+# Refresh a credential this long before its stated expiry, so no request goes out with a token about to lapse.
+EXPIRY_SKEW = dt.timedelta(seconds=30)
+# A credential without a stated expiry (a token file, an in-cluster token) is re-read this often anyway.
+REREAD_PERIOD = dt.timedelta(seconds=60)
 
 
 class KubeConfigError(RuntimeError):
-    """No usable cluster configuration was found."""
+    """No usable cluster configuration or credentials: the message says which file, context or plugin."""
 
 
-@dataclass
-class KubeConfig:
+@dataclass(frozen=True)
+class Credentials:
+    """One snapshot of what a request needs. `expiry` is when it must be loaded again."""
+
     server: str
-    ssl_context: ssl.SSLContext
-    token_file: Path | None = None
-    token: str | None = None
-    namespace: str = "default"
-    # The same credentials as files, for libraries that want paths (kopf's login).
-    ca_path: str | None = None
-    cert_path: str | None = None
-    key_path: str | None = None
-    insecure: bool = False
+    namespace: str
+    authorization: str | None  # the whole header value: "Bearer ..." or "Basic ..."
+    ca_path: str | None
+    cert_path: str | None
+    key_path: str | None
+    insecure: bool
+    expiry: dt.datetime | None
+
+    @property
+    def bearer_token(self) -> str | None:
+        if self.authorization and self.authorization.startswith("Bearer "):
+            return self.authorization.removeprefix("Bearer ")
+        return None
+
+    def expired(self, now: dt.datetime | None = None) -> bool:
+        return self.expiry is not None and (now or _utcnow()) >= self.expiry - EXPIRY_SKEW
+
+
+def _utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class KubeConfig:
+    """The API server and a credential source that refreshes on expiry and on demand (after a 401).
+
+    `load` is the loader to call again; it runs the exec plugin or re-reads the token file.
+    """
+
+    def __init__(self, load: Callable[[], Credentials], *, source: str) -> None:
+        self._load = load
+        self.source = source
+        self._lock = threading.Lock()
+        self._creds = load()
+        self._loaded_at = _utcnow()
+        self._ssl: ssl.SSLContext | None = None
+
+    @classmethod
+    def static(
+        cls, server: str, *, authorization: str | None = None, ca_path: str | None = None, namespace: str = "default"
+    ) -> KubeConfig:
+        """Fixed credentials for a known server (tests, tools): nothing to load again."""
+        creds = Credentials(server.rstrip("/"), namespace, authorization, ca_path, None, None, False, None)
+        return cls(lambda: creds, source=f"static {server}")
+
+    # -- what callers read
+    @property
+    def server(self) -> str:
+        return self._creds.server
+
+    @property
+    def namespace(self) -> str:
+        return self._creds.namespace
+
+    @property
+    def ca_path(self) -> str | None:
+        return self._creds.ca_path
+
+    @property
+    def cert_path(self) -> str | None:
+        return self._creds.cert_path
+
+    @property
+    def key_path(self) -> str | None:
+        return self._creds.key_path
+
+    @property
+    def insecure(self) -> bool:
+        return self._creds.insecure
+
+    @property
+    def ssl_context(self) -> ssl.SSLContext:
+        if self._ssl is None:
+            self._ssl = _ssl_context(self._creds)
+        return self._ssl
+
+    def needs_refresh(self) -> bool:
+        """Expired, or older than REREAD_PERIOD when the credential states no expiry."""
+        now = _utcnow()
+        if self._creds.expiry is None:
+            return now - self._loaded_at >= REREAD_PERIOD
+        return self._creds.expired(now)
+
+    def credentials(self) -> Credentials:
+        """Current credentials, loaded again when they need it."""
+        with self._lock:
+            if self.needs_refresh():
+                self._reload_locked()
+            return self._creds
+
+    def authorization(self) -> str | None:
+        return self.credentials().authorization
 
     def bearer(self) -> str | None:
-        """Read the token each time: projected ServiceAccount tokens rotate."""
-        if self.token_file is not None:
-            return self.token_file.read_text().strip()
-        return self.token
+        """The bearer token (without scheme), for libraries that want it alone."""
+        return self.credentials().bearer_token
+
+    def invalidate(self) -> None:
+        """The API server answered 401: load the credentials again (new exec run, token file re-read)."""
+        with self._lock:
+            self._reload_locked()
+
+    def _reload_locked(self) -> None:
+        creds = self._load()
+        if (creds.ca_path, creds.cert_path, creds.key_path, creds.insecure) != (
+            self._creds.ca_path,
+            self._creds.cert_path,
+            self._creds.key_path,
+            self._creds.insecure,
+        ):
+            self._ssl = None
+        self._creds = creds
+        self._loaded_at = _utcnow()
 
 
-def _materialize(data_b64: str | None, path: str | None, base: Path, suffix: str) -> str | None:
-    """ssl needs files: write embedded kubeconfig data once to a private, content-addressed file."""
-    if path:
-        p = Path(path)
-        return str(p if p.is_absolute() else base / p)
-    if not data_b64:
-        return None
-    data = base64.b64decode(data_b64)
-    folder = Path(tempfile.gettempdir()) / f"gpuobj-kubeconfig-{os.getuid()}"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    target = folder / (hashlib.sha256(data).hexdigest()[:32] + suffix)
-    if not target.is_file():
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        Path(tmp).replace(target)
-    return str(target)
+def _ssl_context(creds: Credentials) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=creds.ca_path) if creds.ca_path else ssl.create_default_context()
+    if creds.insecure:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    if creds.cert_path and creds.key_path:
+        ctx.load_cert_chain(creds.cert_path, creds.key_path)
+    return ctx
 
 
-def from_kubeconfig(path: str | os.PathLike[str] | None = None, context: str | None = None) -> KubeConfig:
-    path = Path(path or os.environ.get("KUBECONFIG", Path.home() / ".kube" / "config"))
+class _CaptureErrors(logging.Handler):
+    """The `kubernetes` package logs (and swallows) a failing exec plugin; we want its words in our error."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextmanager
+def _captured_errors() -> Iterator[_CaptureErrors]:
+    handler = _CaptureErrors()
+    root = logging.getLogger()
+    root.addHandler(handler)
     try:
-        doc = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise KubeConfigError(f"cannot read kubeconfig {path}: {exc}") from exc
-    ctx_name = context or doc.get("current-context")
-    ctx = next((c["context"] for c in doc.get("contexts", []) if c["name"] == ctx_name), None)
-    if ctx is None:
-        raise KubeConfigError(f"kubeconfig {path} has no context {ctx_name!r}")
-    cluster = next(c["cluster"] for c in doc["clusters"] if c["name"] == ctx["cluster"])
-    user = next((u["user"] for u in doc.get("users", []) if u["name"] == ctx.get("user")), {}) or {}
-    base = path.parent
-    ca = _materialize(cluster.get("certificate-authority-data"), cluster.get("certificate-authority"), base, ".crt")
-    ctx_ssl = ssl.create_default_context(cafile=ca) if ca else ssl.create_default_context()
-    if cluster.get("insecure-skip-tls-verify"):
-        ctx_ssl.check_hostname = False
-        ctx_ssl.verify_mode = ssl.CERT_NONE
-    cert = _materialize(user.get("client-certificate-data"), user.get("client-certificate"), base, ".crt")
-    key = _materialize(user.get("client-key-data"), user.get("client-key"), base, ".key")
-    if cert and key:
-        ctx_ssl.load_cert_chain(cert, key)
-    token_file = Path(user["tokenFile"]) if user.get("tokenFile") else None
-    return KubeConfig(
-        server=cluster["server"].rstrip("/"),
-        ssl_context=ctx_ssl,
-        token_file=token_file,
-        token=user.get("token"),
-        namespace=ctx.get("namespace", "default"),
-        ca_path=ca,
-        cert_path=cert,
-        key_path=key,
-        insecure=bool(cluster.get("insecure-skip-tls-verify")),
+        yield handler
+    finally:
+        root.removeHandler(handler)
+
+
+def _from_configuration(cfg: Configuration, *, namespace: str, expiry: dt.datetime | None) -> Credentials:
+    return Credentials(
+        server=cfg.host.rstrip("/"),
+        namespace=namespace,
+        authorization=_normalized_authorization(cfg.get_api_key_with_prefix("BearerToken")),
+        ca_path=cfg.ssl_ca_cert or None,
+        cert_path=cfg.cert_file or None,
+        key_path=cfg.key_file or None,
+        insecure=not cfg.verify_ssl,
+        expiry=expiry.astimezone(dt.UTC) if expiry is not None else None,
     )
 
 
-def in_cluster() -> KubeConfig:
-    host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
-    if not host or not port or not (SA_DIR / "token").is_file():
+def _normalized_authorization(header: str | None) -> str | None:
+    """ "Bearer <token>" with a canonical scheme and no stray whitespace (in-cluster tokens come as "bearer ...\\n")."""
+    if not header or not header.strip():
+        return None
+    scheme, _, value = header.strip().partition(" ")
+    scheme = {"bearer": "Bearer", "basic": "Basic"}.get(scheme.lower(), scheme)
+    return f"{scheme} {value.strip()}" if value.strip() else None
+
+
+def _kubeconfig_paths(path: str | os.PathLike[str] | None) -> str:
+    if path:
+        return os.fspath(path)
+    return os.environ.get("KUBECONFIG") or str(Path.home() / ".kube" / "config")
+
+
+def _load_kubeconfig(paths: str, context: str | None) -> Credentials:
+    files = [p for p in paths.split(ENV_KUBECONFIG_PATH_SEPARATOR) if p]
+    readable = [p for p in files if Path(p).expanduser().is_file()]
+    if not readable:
+        tried = ", ".join(files) or "(empty path)"
+        raise KubeConfigError(f"no kubeconfig found at {tried} (set KUBECONFIG or --kubeconfig)")
+    with _captured_errors() as errors:
+        try:
+            merged = KubeConfigMerger(ENV_KUBECONFIG_PATH_SEPARATOR.join(readable))
+            if merged.config is None:
+                raise KubeConfigError(f"kubeconfig {paths} holds no configuration")
+            loader = KubeConfigLoader(config_dict=merged.config, active_context=context, config_base_path=None)
+            cfg = Configuration()
+            loader.load_and_set(cfg)
+        except ConfigException as exc:
+            raise KubeConfigError(f"kubeconfig {paths}, context {context or '(current)'}: {exc}") from None
+        except (KeyError, TypeError, ValueError, OSError) as exc:  # a malformed file the loader did not check
+            raise KubeConfigError(f"kubeconfig {paths} is malformed: {type(exc).__name__}: {exc}") from None
+    ctx = loader.current_context["context"]
+    user = loader._user  # the resolved user section (None when the context names no user)
+    creds = _from_configuration(
+        cfg, namespace=ctx.get("namespace") or "default", expiry=getattr(loader, "expiry", None)
+    )
+    wants_credentials = user is not None and any(k in user for k in ("exec", "auth-provider", "token", "tokenFile"))
+    if wants_credentials and not creds.authorization and not creds.cert_path:
+        why = "; ".join(errors.messages) or "it produced no token and no client certificate"
+        raise KubeConfigError(f"kubeconfig {paths}: user of context {loader.current_context['name']!r}: {why}")
+    return creds
+
+
+def from_kubeconfig(path: str | os.PathLike[str] | None = None, context: str | None = None) -> KubeConfig:
+    """Credentials from a kubeconfig (`path`, else $KUBECONFIG — several files joined by ':' — else ~/.kube/config)."""
+    paths = _kubeconfig_paths(path)
+    return KubeConfig(lambda: _load_kubeconfig(paths, context), source=f"kubeconfig {paths}")
+
+
+def _load_in_cluster(token_file: Path, ca_file: Path, namespace_file: Path) -> Credentials:
+    cfg = Configuration()
+    try:
+        InClusterConfigLoader(
+            token_filename=str(token_file), cert_filename=str(ca_file), try_refresh_token=False
+        ).load_and_set(cfg)
+    except ConfigException as exc:
+        raise KubeConfigError(f"in-cluster configuration: {exc}") from None
+    namespace = namespace_file.read_text().strip() if namespace_file.is_file() else "default"
+    return _from_configuration(cfg, namespace=namespace, expiry=None)  # re-read every REREAD_PERIOD
+
+
+def in_cluster(sa_dir: Path = SA_DIR) -> KubeConfig:
+    """The pod's ServiceAccount: KUBERNETES_SERVICE_HOST/PORT and the projected token, re-read as it rotates."""
+    if not os.environ.get("KUBERNETES_SERVICE_HOST") or not (sa_dir / "token").is_file():
         raise KubeConfigError("not running in a cluster (no KUBERNETES_SERVICE_HOST or ServiceAccount token)")
-    ctx = ssl.create_default_context(cafile=str(SA_DIR / "ca.crt"))
-    namespace = (SA_DIR / "namespace").read_text().strip() if (SA_DIR / "namespace").is_file() else "default"
-    if ":" in host:
-        host = f"[{host}]"
     return KubeConfig(
-        server=f"https://{host}:{port}", ssl_context=ctx, token_file=SA_DIR / "token", namespace=namespace
+        lambda: _load_in_cluster(sa_dir / "token", sa_dir / "ca.crt", sa_dir / "namespace"), source="in-cluster"
     )
 
 

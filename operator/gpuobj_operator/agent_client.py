@@ -1,5 +1,11 @@
 """The operator's side of the agent control API (docs/agent-api.md): free, inventory, materialize.
 
+Who we are: the operator's projected ServiceAccount token (audience gpuobj.io/agent), re-read
+from its file on every call, since the kubelet rotates it. Where it goes: only to the endpoint
+the reconciler derived from the pod's own status.podIP, and with the pod uid we mean, which the
+agent checks on the same call (an agent serving another pod, or none, answers 409). What we read
+back is bounded (MAX_ANSWER_BYTES): an agent is a workload's process and may lie.
+
 Why a distinct error for "connection refused": nothing listens at the agent's address, so
 the agent process is gone and its memory with it. That is a safe end for a free; a
 timeout or a 5xx is not, and is retried.
@@ -8,10 +14,17 @@ timeout or a 5xx is not, and is retried.
 from __future__ import annotations
 
 import errno
-from dataclasses import dataclass
+import json
 from pathlib import Path
 
 import aiohttp
+
+from gpuobj_contract import agent_api as api
+from gpuobj_contract import names
+from gpuobj_contract.agent_api import FreeAnswer, FreeRequest
+
+# A 10,000-object inventory is about 3 MiB of JSON; an agent that sends more is refused, not read.
+MAX_ANSWER_BYTES = 16 << 20
 
 
 class AgentError(Exception):
@@ -31,14 +44,6 @@ class AgentGone(AgentUnreachable):
     """Connection refused: no agent listens at that address any more."""
 
 
-@dataclass(frozen=True)
-class FreeResult:
-    freed: bool
-    bytes: int
-    waited_seconds: float
-    message: str
-
-
 def _is_refused(exc: BaseException) -> bool:
     while exc is not None:
         if isinstance(exc, ConnectionRefusedError) or getattr(exc, "errno", None) == errno.ECONNREFUSED:
@@ -48,7 +53,7 @@ def _is_refused(exc: BaseException) -> bool:
 
 
 class AgentClient:
-    """HTTP client for agents' control servers, authenticated with the shared bearer token."""
+    """HTTP client for agents' control servers, authenticated as the operator's ServiceAccount."""
 
     def __init__(self, token_file: Path | None, *, timeout: float = 10.0, free_timeout: float = 60.0) -> None:
         self.token_file = token_file
@@ -57,7 +62,7 @@ class AgentClient:
         self._session: aiohttp.ClientSession | None = None
 
     def _token(self) -> str:
-        # Re-read each time: a rotated Secret is picked up without a restart.
+        # Re-read each time: a rotated projected token is picked up without a restart.
         return self.token_file.read_text().strip() if self.token_file else ""
 
     @property
@@ -72,24 +77,39 @@ class AgentClient:
             self._session = None
 
     async def _call(
-        self, method: str, endpoint: str, path: str, *, body: dict | None = None, timeout: float | None = None
+        self,
+        route: api.Route,
+        endpoint: str,
+        path: str,
+        *,
+        pod_uid: str,
+        body: dict | None = None,
+        timeout: float | None = None,
     ) -> dict:
+        if not pod_uid:
+            raise AgentError(409, f"no pod uid to hold the agent at {endpoint} to; refusing to call it")
         url = f"http://{endpoint}{path}"
         try:
             async with self.session.request(
-                method,
+                route.method,
                 url,
                 json=body,
-                headers={"Authorization": f"Bearer {self._token()}"},
+                headers={"Authorization": f"Bearer {self._token()}", names.HEADER_POD_UID: pod_uid},
                 timeout=aiohttp.ClientTimeout(total=timeout or self.timeout),
+                allow_redirects=False,
             ) as resp:
+                raw = await resp.content.read(MAX_ANSWER_BYTES + 1)
+                if len(raw) > MAX_ANSWER_BYTES:
+                    raise AgentError(413, f"the agent at {endpoint} answered more than {MAX_ANSWER_BYTES} bytes")
                 try:
-                    data = await resp.json(content_type=None)
+                    data = json.loads(raw) if raw.strip() else {}
                 except ValueError:
-                    data = {"error": (await resp.text())[:300]}
+                    data = {"error": raw[:300].decode(errors="replace")}
+                if not isinstance(data, dict):
+                    raise AgentError(502, f"the agent at {endpoint} answered something that is not a JSON object")
                 if resp.status >= 400:
-                    raise AgentError(resp.status, (data or {}).get("error", resp.reason or ""))
-                return data or {}
+                    raise AgentError(resp.status, str(data.get("error", resp.reason or "")))
+                return data
         except aiohttp.ClientConnectorError as exc:
             if _is_refused(exc.os_error) or _is_refused(exc):
                 raise AgentGone(f"nothing listens at {endpoint}: {exc}") from exc
@@ -97,22 +117,20 @@ class AgentClient:
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise AgentUnreachable(f"{endpoint}: {type(exc).__name__}: {exc}") from exc
 
-    async def free(self, endpoint: str, object_id: str, reason: str = "") -> FreeResult:
-        data = await self._call(
-            "POST", endpoint, f"/v1/objects/{object_id}/free", body={"reason": reason}, timeout=self.free_timeout
-        )
-        return FreeResult(
-            freed=bool(data.get("freed")),
-            bytes=int(data.get("bytes", 0)),
-            waited_seconds=float(data.get("waitedSeconds", 0.0)),
-            message=str(data.get("reason", "")),
+    async def free(self, endpoint: str, object_id: str, reason: str = "", *, pod_uid: str) -> FreeAnswer:
+        route = api.FREE
+        body = FreeRequest(reason=reason or None).to_json()
+        path = route.path(id=object_id)
+        return FreeAnswer.from_json(
+            await self._call(route, endpoint, path, pod_uid=pod_uid, body=body, timeout=self.free_timeout)
         )
 
-    async def inventory(self, endpoint: str) -> dict:
-        return await self._call("GET", endpoint, "/v1/objects")
+    async def inventory(self, endpoint: str, *, pod_uid: str) -> dict:
+        return await self._call(api.INVENTORY, endpoint, api.INVENTORY.path(), pod_uid=pod_uid)
 
-    async def info(self, endpoint: str) -> dict:
-        return await self._call("GET", endpoint, "/v1/info")
+    async def info(self, endpoint: str, *, pod_uid: str, timeout: float | None = None) -> dict:
+        return await self._call(api.INFO, endpoint, api.INFO.path(), pod_uid=pod_uid, timeout=timeout)
 
-    async def materialize(self, endpoint: str, object_id: str, spec: dict) -> dict:
-        return await self._call("PUT", endpoint, f"/v1/objects/{object_id}", body=spec)
+    async def materialize(self, endpoint: str, object_id: str, spec: dict, *, pod_uid: str) -> dict:
+        route = api.MATERIALIZE
+        return await self._call(route, endpoint, route.path(id=object_id), pod_uid=pod_uid, body=spec)

@@ -24,7 +24,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from gpuobj_contract import names
+from gpuobj_operator.liveness import Liveness
 from gpuobj_operator.model import ClaimInfo, Key, ObjectInfo, PodInfo, StreamInfo
+from gpuobj_operator.statuses import condition, now_str
 
 # ---------------------------------------------------------------- actions
 
@@ -52,6 +54,7 @@ class Materialize(Action):
     uid: str
     endpoint: str
     object_id: str
+    pod_uid: str = ""
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class Free(Action):
     endpoint: str
     bytes: int
     reason: str
+    pod_uid: str = ""  # the agent must serve this pod (checked by the agent on the same call)
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,16 @@ class DeleteClaim(Action):
     key: Key
     uid: str
     reason: str
+    holder: str = "pod"  # what is gone: the holder pod, or only its process ("process")
+
+
+@dataclass(frozen=True)
+class Requeue(Action):
+    """Decide this again after ``seconds`` (a claim's TTL runs out then)."""
+
+    kind: str
+    key: Key
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -123,6 +137,7 @@ class FinishStream(Action):
     key: Key
     uid: str
     producer_endpoint: str | None
+    producer_uid: str = ""
 
 
 @dataclass(frozen=True)
@@ -135,29 +150,6 @@ class Emit(Action):
     type: str
     reason: str
     message: str
-
-
-# ---------------------------------------------------------------- conditions
-
-
-def condition(
-    existing: list[dict], ctype: str, status: str, reason: str, message: str, generation: int, now: str
-) -> dict:
-    """A condition in the API conventions' shape; the transition time moves only when status does."""
-    previous = next((c for c in existing if c.get("type") == ctype), None)
-    since = previous["lastTransitionTime"] if previous and previous.get("status") == status else now
-    return {
-        "type": ctype,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "observedGeneration": generation,
-        "lastTransitionTime": since,
-    }
-
-
-def now_str(now: dt.datetime) -> str:
-    return now.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass
@@ -188,6 +180,10 @@ class Ledger:
     _claims_by_pod: dict[Key, set[Key]] = field(default_factory=lambda: defaultdict(set))
     # When each object's last reference went (monotonic seconds), for the free-latency histogram.
     ref_gone_at: dict[Key, float] = field(default_factory=dict)
+    # Which agent process of each pod lives (probes), and when each record (by uid) was first seen:
+    # records of a dead process are dropped, never on a probe older than the record.
+    liveness: Liveness = field(default_factory=Liveness)
+    learned_at: dict[str, float] = field(default_factory=dict)
 
     # ------------------------------------------------------------ updates; each returns the keys to reconcile
 
@@ -198,6 +194,7 @@ class Ledger:
         if old is not None and old.uid != obj.uid:
             self._unindex_object(old)
         self.objects[obj.key] = obj
+        self.learned_at.setdefault(obj.uid, now)
         self._objects_by_pod[(obj.namespace, obj.source_pod)].add(obj.key)
         if obj.stream:
             self._items_by_stream[(obj.namespace, obj.stream[0])].add(obj.key)
@@ -213,6 +210,7 @@ class Ledger:
             return set()
         self._unindex_object(current)
         del self.objects[obj.key]
+        self.learned_at.pop(obj.uid, None)
         self.ref_gone_at.pop(obj.key, None)
         dirty = {("claim", c) for c in self._claims_by_object.get(obj.key, ())}
         if obj.stream:
@@ -231,6 +229,7 @@ class Ledger:
         if old is not None:
             self._unindex_claim(old)
         self.claims[claim.key] = claim
+        self.learned_at.setdefault(claim.uid, now)
         self._claims_by_object[claim.object_key].add(claim.key)
         for pod in self._claim_pods(claim):
             self._claims_by_pod[(claim.namespace, pod)].add(claim.key)
@@ -246,6 +245,7 @@ class Ledger:
             return set()
         self._unindex_claim(current)
         del self.claims[claim.key]
+        self.learned_at.pop(claim.uid, None)
         self._touch_refs(current.object_key, now)
         return {("object", current.object_key)}
 
@@ -302,8 +302,19 @@ class Ledger:
                 continue
             if claim.object_uid and claim.object_uid != obj.uid:
                 continue
+            if claim.shared_by is not None and claim.shared_by != obj.source_pod:
+                continue  # only the source may claim on a receiver's behalf (admission checks the sharer)
             result.append(claim)
         return result
+
+    def siblings(self, obj: ObjectInfo) -> list[ObjectInfo]:
+        """Other GPUObjects naming the same bytes (source pod and object id). The client library never
+        makes two; a copy made to have the original freed on its delete must never free them."""
+        return [
+            o
+            for k in self._objects_by_pod.get((obj.namespace, obj.source_pod), ())
+            if (o := self.objects[k]).uid != obj.uid and o.object_id == obj.object_id
+        ]
 
     def references(self, obj: ObjectInfo) -> int:
         return len(self.live_claims(obj)) + (0 if obj.deleting else 1)
@@ -348,11 +359,81 @@ class Ledger:
             )
             if lost and lost["status"] == "False":
                 return SourceVerdict(False, lost["reason"], lost["message"], pod)
+        if obj.materialized and (gone := self.source_process_gone(obj, pod)):
+            return SourceVerdict(False, *gone, pod)
         if not pod.endpoint:
             return SourceVerdict(
                 False, "AgentEndpointUnknown", f"pod {obj.source_pod} has no IP or agent host yet", pod, unknown=False
             )
         return SourceVerdict(True, "SourceAvailable", f"agent of pod {obj.source_pod} at {pod.endpoint}", pod)
+
+    # ------------------------------------------------------------ processes (incarnations)
+
+    def source_process_gone(self, obj: ObjectInfo, pod: PodInfo) -> tuple[str, str] | None:
+        """(reason, message) when the agent process holding this object's bytes is known gone."""
+        incarnation = obj.source_incarnation
+        if incarnation:
+            why = self.liveness.incarnation_dead(
+                pod.key, pod.uid, incarnation, self.learned_at.get(obj.uid, float("inf"))
+            )
+            if why:
+                reason = "SourceAgentGone" if self.liveness.agent_gone(pod.key, pod.uid) else "SourceAgentRestarted"
+                return reason, why
+            return None
+        if self.liveness.agent_gone(pod.key, pod.uid):
+            return "SourceAgentGone", f"nothing listens at the agent address of pod {pod.name}"
+        return None
+
+    def holder_process_gone(self, claim: ClaimInfo) -> str | None:
+        """Why the process this claim belongs to is known gone, or None. Needs spec.holder.incarnation."""
+        if not claim.holder_incarnation or not claim.holder_pod:
+            return None
+        pod = self.pods.get((claim.namespace, claim.holder_pod))
+        uid = pod.uid if pod is not None else claim.owner_pods.get(claim.holder_pod)
+        why = self.liveness.incarnation_dead(
+            (claim.namespace, claim.holder_pod),
+            uid,
+            claim.holder_incarnation,
+            self.learned_at.get(claim.uid, float("inf")),
+        )
+        return f"holder {why}" if why else None
+
+    def _holder_gone(self, claim: ClaimInfo) -> bool:
+        """The claim's holder (process, or pod) is gone: the claim only waits to be deleted."""
+        if self.holder_process_gone(claim):
+            return True
+        for name, uid in claim.owner_pods.items():
+            pod = self.pods.get((claim.namespace, name))
+            if pod is not None and (pod.terminated or pod.uid != uid):
+                return True
+        return False
+
+    def suspect_records(self, pod: Key) -> set[tuple[str, Key]]:
+        """Records of this pod that name an incarnation other than the live one: re-decide after a probe."""
+        state = self.liveness.agents.get(pod)
+        alive = state.incarnation if state is not None else None
+        dirty: set[tuple[str, Key]] = set()
+        for key in self._objects_by_pod.get(pod, ()):
+            obj = self.objects.get(key)
+            gone = state is not None and state.gone
+            if obj is not None and obj.materialized and (gone or obj.source_incarnation != alive):
+                dirty.add(("object", key))
+        for key in self._claims_by_pod.get(pod, ()):
+            claim = self.claims.get(key)
+            if claim is not None and claim.holder_incarnation and claim.holder_incarnation != alive:
+                dirty.add(("claim", key))
+        return dirty
+
+    def dead_holder_bytes(self) -> dict[Key, int]:
+        """(namespace, source pod) -> bytes held only by claims whose holder is gone: leaked while they wait."""
+        result: dict[Key, int] = defaultdict(int)
+        for obj in self.objects.values():
+            if not obj.deleting or not obj.finalized or not obj.materialized or obj.state == names.STATE_LOST:
+                continue
+            claims = self.live_claims(obj)
+            if claims and all(self._holder_gone(c) for c in claims):
+                result[(obj.namespace, obj.source_pod)] += obj.bytes
+        return dict(result)
 
     # ------------------------------------------------------------ decisions
 
@@ -370,8 +451,15 @@ class Ledger:
                 return []  # not ours to hold; the API server removes it
             if claims:
                 return self._status_actions(obj, verdict, claims, now)
+            if self.siblings(obj):
+                message = f"another GPUObject names object {obj.object_id} of pod {obj.source_pod}; not freed"
+                return [
+                    Emit("GPUObject", obj.key, obj.uid, "Warning", "DuplicateObjectId", message),
+                    ReleaseWithoutFree(obj.key, obj.uid, "DuplicateObjectId"),
+                ]
             if verdict.available and obj.materialized:
-                return [Free(obj.key, obj.uid, obj.object_id, verdict.pod.endpoint, obj.bytes, "OutOfScope")]  # type: ignore[union-attr]
+                pod = verdict.pod
+                return [Free(obj.key, obj.uid, obj.object_id, pod.endpoint, obj.bytes, "OutOfScope", pod.uid)]  # type: ignore[union-attr,arg-type]
             if verdict.reason == "AgentEndpointUnknown" and obj.materialized:
                 return self._status_actions(obj, verdict, claims, now)  # wait for the pod's address
             return [
@@ -401,7 +489,7 @@ class Ledger:
                 actions.append(DeleteObject(obj.key, obj.uid, "Lost", f"{verdict.message}; no claim remains"))
             return actions
         if obj.declared and not obj.materialized and verdict.available and obj.state != names.STATE_FAILED:
-            return [Materialize(obj.key, obj.uid, verdict.pod.endpoint, obj.object_id)]  # type: ignore[union-attr]
+            return [Materialize(obj.key, obj.uid, verdict.pod.endpoint, obj.object_id, verdict.pod.uid)]  # type: ignore[union-attr]
         return self._status_actions(obj, verdict, claims, now)
 
     @staticmethod
@@ -503,6 +591,13 @@ class Ledger:
                 return [LookupPod(claim.namespace, pod_name)]
             if pod.deleted or pod.uid != pod_uid:
                 return [DeleteClaim(claim.key, claim.uid, f"holder pod {pod_name} is gone")]
+        if claim.holder_incarnation and (why := self.holder_process_gone(claim)):
+            return [DeleteClaim(claim.key, claim.uid, why, holder="process")]
+        if claim.ttl_seconds and claim.created:
+            left = (claim.created + dt.timedelta(seconds=claim.ttl_seconds) - now).total_seconds()
+            if left <= 0:
+                return [DeleteClaim(claim.key, claim.uid, f"its TTL of {claim.ttl_seconds}s expired", holder="ttl")]
+            actions.append(Requeue("claim", claim.key, left))
         if claim.holder_pod and claim.holder_pod not in claim.owner_pods:
             pod = self.pods.get((claim.namespace, claim.holder_pod))
             if pod is None:
@@ -563,7 +658,7 @@ class Ledger:
                 return []  # wait for the items' frees
             producer = self.pods.get((stream.namespace, stream.producer_pod))
             endpoint = producer.endpoint if producer and not producer.terminated else None
-            return [FinishStream(stream.key, stream.uid, endpoint)]
+            return [FinishStream(stream.key, stream.uid, endpoint, producer.uid if endpoint and producer else "")]
         emitted = max((i.stream[1] + 1 for i in items if i.stream), default=0)
         desired = {
             "observedGeneration": 1,

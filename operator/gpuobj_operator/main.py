@@ -46,7 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--namespace", default=env("GPUOBJ_WATCH_NAMESPACE") or None, help="watch one namespace (default: all)"
     )
-    p.add_argument("--token-file", default=env(names.TOKEN_ENV), help="bearer token file for agents' control servers")
+    p.add_argument(
+        "--token-file",
+        default=env(names.TOKEN_ENV),
+        help=f"the operator's projected ServiceAccount token (audience {names.AGENT_AUDIENCE}), presented to agents",
+    )
+    p.add_argument(
+        "--allow-agent-host-annotation",
+        action="store_true",
+        default=env("GPUOBJ_ALLOW_AGENT_HOST_ANNOTATION", "") == "true",
+        help=f"call agents at the host a pod's {names.ANNOTATION_AGENT_HOST} annotation names instead of its "
+        "status.podIP (dev clusters without a pod network only: a workload could point it anywhere)",
+    )
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument(
         "--metrics-port",
@@ -70,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.25,
         help="seconds a routine status write waits (short-lived objects then need none); 0 writes at once",
+    )
+    p.add_argument(
+        "--liveness-interval",
+        type=float,
+        default=1.0,
+        help="seconds between probes of each agent (GET /v1/info; backs off while one fails); 0 disables",
     )
     p.add_argument("--log-level", default=env("GPUOBJ_LOG_LEVEL", "INFO"))
     return p
@@ -113,16 +130,22 @@ def build_registry(reconciler: Reconciler, config: KubeConfig) -> kopf.OperatorR
 
     @kopf.on.login(registry=registry)
     def login(**_):
-        # The same credentials as our own client (--kubeconfig or in-cluster), re-read for rotated tokens.
+        # The same credentials as our own client (the `kubernetes` package's loaders: kubeconfig with exec
+        # plugins or auth-providers, or in-cluster). kopf logs in again after a 401 or at `expiration`, and
+        # each login loads the credentials anew (a new exec run, a re-read token file).
+        config.invalidate()
+        creds = config.credentials()
+        scheme, _, token = (creds.authorization or "").partition(" ")
         return kopf.ConnectionInfo(
-            server=config.server,
-            ca_path=config.ca_path,
-            insecure=config.insecure or None,
-            certificate_path=config.cert_path,
-            private_key_path=config.key_path,
-            scheme="Bearer" if config.bearer() else None,
-            token=config.bearer(),
-            default_namespace=config.namespace,
+            server=creds.server,
+            ca_path=creds.ca_path,
+            insecure=creds.insecure or None,
+            certificate_path=creds.cert_path,
+            private_key_path=creds.key_path,
+            scheme=scheme or None,
+            token=token or None,
+            default_namespace=creds.namespace,
+            expiration=creds.expiry,
         )
 
     @kopf.on.event(names.GROUP, names.VERSION, names.PLURAL_OBJECT, registry=registry)
@@ -147,9 +170,13 @@ def kopf_settings() -> kopf.OperatorSettings:
     settings.watching.server_timeout = 240
     settings.watching.client_timeout = 300
     settings.networking.request_timeout = 30
+    # After an API or etcd outage, watch again within ~2 s of the API's return, not after kopf's default
+    # backoffs (1, 1, 2, 3, 5, 8, 13, 21 s: cleanup trailed a 35 s etcd outage by 46 s). Bounded: about a
+    # minute of errors in a row ends the process, and its Deployment restarts it.
+    settings.networking.error_backoffs = (0.25, 0.5, 1.0, *([2.0] * 28))
     # kopf holds each event for its batch window (0.1 s) waiting for newer ones of the same object.
-    # Our handlers only feed the ledger (cheap, latest state wins anyway): that wait was most of a
-    # recorded object's free latency.
+    # Our handlers only feed the ledger (cheap, latest state wins anyway): no reason to add up to
+    # 0.1 s to every event, the free of a recorded object included.
     settings.batching.batch_window = 0.001
     return settings
 
@@ -202,7 +229,9 @@ async def run(args: argparse.Namespace) -> int:
         audit_interval=args.audit_interval,
         resync_interval=args.resync_interval,
         status_delay=args.status_delay,
+        liveness_interval=args.liveness_interval,
         namespace=args.namespace,
+        allow_agent_host_annotation=args.allow_agent_host_annotation,
     )
     reconciler_box.append(reconciler)
     events.start()

@@ -45,6 +45,18 @@ class OperatorMetrics:
         self.leaked_bytes = Gauge(
             m.LEAKED_BYTES, "Bytes agents hold that nothing references", ["namespace", "pod"], registry=r
         )
+        self.dead_holder_bytes = Gauge(
+            m.DEAD_HOLDER_BYTES,
+            "Leaked bytes (part of gpuobj_leaked_bytes) held only by claims whose holder process or pod is gone",
+            ["namespace", "pod"],
+            registry=r,
+        )
+        self.claims_dropped = Counter(
+            m.CLAIMS_DROPPED.removesuffix("_total"),
+            "Claims the operator deleted: holder pod or agent process gone, or TTL expired",
+            ["holder"],
+            registry=r,
+        )
         self.reclaimed_bytes = Counter(
             m.RECLAIMED_BYTES.removesuffix("_total"), "Leaked bytes reclaimed by the audit", ["namespace"], registry=r
         )
@@ -69,6 +81,8 @@ class OperatorMetrics:
         for result in ("freed", "noop", "agent-gone", "source-lost"):
             self.frees.labels(result)
         self.free_failures.labels("unreachable")
+        for holder in ("pod", "process", "ttl"):
+            self.claims_dropped.labels(holder)
         for result in ("ok", "error"):
             self.audits.labels(result)
 
@@ -78,10 +92,16 @@ class OperatorMetrics:
             self._namespaces.add(namespace)
             self.reclaimed_bytes.labels(namespace)
 
-    def set_leaked(self, values: dict[tuple[str, str], int]) -> None:
-        """Replace the leaked-bytes series: pods that disappeared lose their series."""
+    def set_leaked(
+        self, values: dict[tuple[str, str], int], dead_holder: dict[tuple[str, str], int] | None = None
+    ) -> None:
+        """Replace the leaked-bytes series: pods that disappeared lose their series.
+
+        ``dead_holder``: the part of ``values`` held only by claims of gone holders (same pods)."""
         for labels in self._leak_series - set(values):
             self.leaked_bytes.remove(*labels)
+            self.dead_holder_bytes.remove(*labels)
         for labels, value in values.items():
             self.leaked_bytes.labels(*labels).set(value)
+            self.dead_holder_bytes.labels(*labels).set((dead_holder or {}).get(labels, 0))
         self._leak_series = set(values)

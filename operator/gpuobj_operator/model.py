@@ -6,6 +6,7 @@ them directly and the parsing rules (which field means what) live in one place.
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass, field
 
 from gpuobj_contract import names
@@ -40,6 +41,7 @@ class ObjectInfo:
     source_pod: str
     tensors: list[dict]
     source_pod_uid: str | None = None
+    spec_incarnation: str | None = None  # spec.source.incarnation: the agent process that put it
     spec_object_id: str | None = None
     key_name: str | None = None
     stream: tuple[str, int] | None = None
@@ -83,6 +85,15 @@ class ObjectInfo:
     def state(self) -> str | None:
         return self.status.get("state")
 
+    @property
+    def source_incarnation(self) -> str | None:
+        """The agent process holding the bytes: from the put (spec), or the materialize answer (status)."""
+        if self.spec_incarnation:
+            return self.spec_incarnation
+        if self.declared and self.materialized:
+            return (self.status.get("transport") or {}).get("agentIncarnation") or None
+        return None
+
 
 @dataclass
 class ClaimInfo:
@@ -92,7 +103,11 @@ class ClaimInfo:
     object_name: str
     object_uid: str | None = None  # pinned incarnation (client library sets it)
     holder_pod: str | None = None  # spec.holder.podName
+    holder_incarnation: str | None = None  # spec.holder.incarnation: the claim dies with that process
+    ttl_seconds: int | None = None  # spec.ttlSeconds: deleted that long after creation
+    created: dt.datetime | None = None  # metadata.creationTimestamp
     owner_pods: dict[str, str] = field(default_factory=dict)  # ownerReferences to Pods: name -> uid
+    shared_by: str | None = None  # annotation gpuobj.io/shared-by: the pod that claimed for the holder
     deleting: bool = False
     resource_version: str = ""
     status: dict = field(default_factory=dict)
@@ -129,11 +144,22 @@ def _meta(obj: dict) -> dict:
     return obj.get("metadata", {})
 
 
-def parse_pod(obj: dict) -> PodInfo:
+def _timestamp(value: str | None) -> dt.datetime | None:
+    if not value:
+        return None
+    try:
+        return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def parse_pod(obj: dict, *, allow_host_annotation: bool = False) -> PodInfo:
+    """The pod's agent is at its own status.podIP: the operator's token goes nowhere else. Only a
+    dev cluster without a pod network (allow_host_annotation) may name another host by annotation."""
     meta = _meta(obj)
     ann = meta.get("annotations") or {}
     status = obj.get("status") or {}
-    host = ann.get(names.ANNOTATION_AGENT_HOST) or status.get("podIP")
+    host = (ann.get(names.ANNOTATION_AGENT_HOST) if allow_host_annotation else None) or status.get("podIP")
     port = ann.get(names.ANNOTATION_AGENT_PORT)
     if not port:
         for container in (obj.get("spec") or {}).get("containers", []):
@@ -162,6 +188,7 @@ def parse_object(obj: dict) -> ObjectInfo:
         uid=meta["uid"],
         source_pod=source.get("podName", ""),
         source_pod_uid=source.get("podUID"),
+        spec_incarnation=source.get("incarnation") or None,
         tensors=list(spec.get("tensors") or []),
         spec_object_id=spec.get("objectId"),
         key_name=spec.get("key"),
@@ -189,7 +216,11 @@ def parse_claim(obj: dict) -> ClaimInfo:
         object_name=spec.get("objectName", ""),
         object_uid=spec.get("objectUID"),
         holder_pod=(spec.get("holder") or {}).get("podName"),
+        holder_incarnation=(spec.get("holder") or {}).get("incarnation") or None,
+        ttl_seconds=int(spec["ttlSeconds"]) if spec.get("ttlSeconds") else None,
+        created=_timestamp(meta.get("creationTimestamp")),
         owner_pods=owners,
+        shared_by=(meta.get("annotations") or {}).get(names.ANNOTATION_SHARED_BY),
         deleting=bool(meta.get("deletionTimestamp")),
         resource_version=meta.get("resourceVersion", ""),
         status=dict(obj.get("status") or {}),

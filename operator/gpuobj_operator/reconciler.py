@@ -13,11 +13,13 @@ import contextlib
 import datetime as dt
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, ClassVar
 
 from gpuobj_contract import names
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, ApiError, Conflict, Invalid, KubeClient, NotFound
 from gpuobj_operator import audit as audit_mod
+from gpuobj_operator import statuses
 from gpuobj_operator.agent_client import AgentClient, AgentError, AgentGone, AgentUnreachable
 from gpuobj_operator.events import EventRecorder
 from gpuobj_operator.ledger import (
@@ -35,9 +37,8 @@ from gpuobj_operator.ledger import (
     PatchObjectStatus,
     PatchStreamStatus,
     ReleaseWithoutFree,
+    Requeue,
     SetClaimOwner,
-    condition,
-    now_str,
 )
 from gpuobj_operator.metrics import OperatorMetrics
 from gpuobj_operator.model import Key, PodInfo, parse_claim, parse_object, parse_pod, parse_stream
@@ -54,6 +55,10 @@ class RetryLater(Exception):
 
 
 class Reconciler:
+    """Executes the ledger's actions against the API server and the agents; decides nothing itself."""
+
+    _executors: ClassVar[dict[type[Action], Callable[[Reconciler, Any], Awaitable[None]]]]
+
     def __init__(
         self,
         kube: KubeClient,
@@ -68,7 +73,12 @@ class Reconciler:
         resync_interval: float = 60.0,
         namespace: str | None = None,
         status_delay: float = 0.25,
+        allow_agent_host_annotation: bool = False,
+        liveness_interval: float = 1.0,
+        liveness_max_backoff: float = 8.0,
+        probe_timeout: float = 2.0,
     ) -> None:
+        self.allow_agent_host_annotation = allow_agent_host_annotation
         self.kube = kube
         self.agents = agents
         self.metrics = metrics
@@ -88,6 +98,10 @@ class Reconciler:
         self._status_due: dict[tuple[str, Key], float] = {}
         self._stream_patched_at: dict[Key, float] = {}
         self._pod_lookups: set[Key] = set()
+        self.liveness_interval = liveness_interval
+        self.liveness_max_backoff = liveness_max_backoff
+        self.probe_timeout = probe_timeout
+        self._probe_due: dict[Key, float] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -104,7 +118,7 @@ class Reconciler:
         for c in claims["items"]:
             self.ledger.upsert_claim(parse_claim(c), now)
         for p in pods["items"]:
-            self.ledger.upsert_pod(parse_pod(p))
+            self.ledger.upsert_pod(self._parse_pod(p))
         for o in objects["items"]:
             self.ledger.upsert_object(parse_object(o), now)
         self.ledger.synced = True
@@ -122,6 +136,8 @@ class Reconciler:
             self._tasks.append(asyncio.create_task(self._worker(), name=f"reconcile-worker-{i}"))
         self._tasks.append(asyncio.create_task(self._audit_loop(), name="audit"))
         self._tasks.append(asyncio.create_task(self._resync_loop(), name="resync"))
+        if self.liveness_interval > 0:
+            self._tasks.append(asyncio.create_task(self._liveness_loop(), name="liveness"))
 
     async def stop(self) -> None:
         self.queue.close()
@@ -169,8 +185,14 @@ class Reconciler:
         info = parse_stream(raw)
         self.enqueue(self.ledger.remove_stream(info) if event_type == "DELETED" else self.ledger.upsert_stream(info))
 
+    def _parse_pod(self, raw: dict) -> PodInfo:
+        return parse_pod(raw, allow_host_annotation=self.allow_agent_host_annotation)
+
     def on_pod(self, event_type: str | None, raw: dict) -> None:
-        info = parse_pod(raw)
+        info = self._parse_pod(raw)
+        if event_type == "DELETED":
+            self.ledger.liveness.forget(info.key)
+            self._probe_due.pop(info.key, None)
         self.enqueue(self.ledger.remove_pod(info) if event_type == "DELETED" else self.ledger.upsert_pod(info))
 
     # ------------------------------------------------------------ workers
@@ -198,15 +220,15 @@ class Reconciler:
                 self.queue.done(item)
 
     async def execute(self, action: Action) -> None:
-        handler = getattr(self, f"_do_{type(action).__name__}")
-        await handler(action)
+        """Run one action: a table from action type to its executor, checked when the class is built."""
+        await self._executors[type(action)](self, action)
 
     # ------------------------------------------------------------ actions
 
     async def _do_LookupPod(self, a: LookupPod) -> None:
         key = (a.namespace, a.name)
         try:
-            pod = parse_pod(await self.kube.get(PODS, a.name, a.namespace))
+            pod = self._parse_pod(await self.kube.get(PODS, a.name, a.namespace))
             self.enqueue(self.ledger.upsert_pod(pod))
         except NotFound:
             self.enqueue(self.ledger.remove_pod(PodInfo(a.namespace, a.name, uid="", deleted=True)))
@@ -243,44 +265,32 @@ class Reconciler:
             spec["stream"], spec["streamIndex"] = obj.stream
         pod = self.ledger.pods[(obj.namespace, obj.source_pod)]
         try:
-            answer = await self.agents.materialize(a.endpoint, a.object_id, spec)
+            answer = await self.agents.materialize(a.endpoint, a.object_id, spec, pod_uid=a.pod_uid)
         except AgentError as exc:
             if exc.status == 404:
-                await self._patch_object_status(a.key, self._pending_status(obj, "KeyNotPublished", exc.message))
+                pending = statuses.pending_status(
+                    generation=obj.generation, reason="KeyNotPublished", message=exc.message, now=_now()
+                )
+                await self._patch_object_status(a.key, pending)
                 raise RetryLater(f"key {obj.key_name!r} not published yet") from exc
-            await self._patch_object_status(a.key, self._failed_status(obj, "MaterializeFailed", exc.message))
+            failed = statuses.failed_status(
+                generation=obj.generation, reason="MaterializeFailed", message=exc.message, now=_now()
+            )
+            await self._patch_object_status(a.key, failed)
             self._emit("GPUObject", a.key, a.uid, "Warning", "MaterializeFailed", exc.message)
             return
         except AgentUnreachable as exc:
             raise RetryLater(f"agent at {a.endpoint} unreachable: {exc}") from exc
-        status = {
-            "state": names.STATE_READY,
-            "objectId": a.object_id,
-            "sourcePodUID": pod.uid,
-            "transport": {
-                "backend": "nixl",
-                "agentEndpoint": a.endpoint,
-                "agentIncarnation": str(answer.get("incarnation", "")),
-            },
-        }
+        status = statuses.materialized_status(
+            object_id=a.object_id,
+            pod_uid=pod.uid,
+            endpoint=a.endpoint,
+            incarnation=str(answer.get("incarnation", "")),
+        )
         await self._patch_object_status(a.key, status)
         self._emit(
             "GPUObject", a.key, a.uid, "Normal", "Materialized", f"agent on pod {pod.name} holds {obj.bytes} bytes"
         )
-
-    @staticmethod
-    def _pending_status(obj, reason: str, message: str) -> dict:
-        return {
-            "state": names.STATE_PENDING,
-            "conditions": [_cond(names.CONDITION_READY, "False", reason, message, obj.generation)],
-        }
-
-    @staticmethod
-    def _failed_status(obj, reason: str, message: str) -> dict:
-        return {
-            "state": names.STATE_FAILED,
-            "conditions": [_cond(names.CONDITION_READY, "False", reason, message, obj.generation)],
-        }
 
     async def _do_Free(self, a: Free) -> None:
         if a.uid in self._freed:
@@ -306,7 +316,7 @@ class Reconciler:
         log.info("freeing %s/%s (object %s, %d bytes) on %s", *a.key, a.object_id, a.bytes, a.endpoint)
         started = time.monotonic()
         try:
-            result = await self.agents.free(a.endpoint, a.object_id, reason=a.reason)
+            result = await self.agents.free(a.endpoint, a.object_id, reason=a.reason, pod_uid=a.pod_uid)
             outcome = "freed" if result.freed else "noop"
         except AgentGone:
             outcome, result = "agent-gone", None
@@ -458,7 +468,12 @@ class Reconciler:
             await self.kube.delete(CLAIMS, a.key[1], a.key[0], uid=a.uid)
         except (NotFound, Conflict):
             return
-        self._emit("GPUObjectClaim", a.key, a.uid, "Normal", "HolderGone", a.reason)
+        self.metrics.claims_dropped.labels(a.holder).inc()
+        reason = "Expired" if a.holder == "ttl" else "HolderGone"
+        self._emit("GPUObjectClaim", a.key, a.uid, "Normal", reason, a.reason)
+
+    async def _do_Requeue(self, a: Requeue) -> None:
+        self.queue.add_after((a.kind, a.key), a.seconds)
 
     async def _do_PatchStreamStatus(self, a: PatchStreamStatus) -> None:
         # A busy stream changes with every item: write its counters at most once per interval.
@@ -478,11 +493,13 @@ class Reconciler:
         freed = 0
         if a.producer_endpoint:
             try:
-                inventory = await self.agents.inventory(a.producer_endpoint)
+                inventory = await self.agents.inventory(a.producer_endpoint, pod_uid=a.producer_uid)
                 described = {o.object_id for o in self.ledger.objects.values()}
                 for item in audit_mod.parse_inventory(inventory):
                     if item.stream == a.key[1] and item.object_id not in described:
-                        result = await self.agents.free(a.producer_endpoint, item.object_id, reason="StreamDeleted")
+                        result = await self.agents.free(
+                            a.producer_endpoint, item.object_id, reason="StreamDeleted", pod_uid=a.producer_uid
+                        )
                         freed += result.bytes
             except AgentGone:
                 pass
@@ -519,6 +536,52 @@ class Reconciler:
             except Exception:
                 log.exception("audit pass failed")
 
+    # ------------------------------------------------------------ liveness of agent processes
+
+    async def _liveness_loop(self) -> None:
+        """Probe every agent pod's /v1/info: which process (incarnation) lives, or none (see liveness.py)."""
+        limit = asyncio.Semaphore(32)
+
+        async def probe(pod: PodInfo) -> None:
+            async with limit:
+                await self.probe_agent(pod)
+
+        while True:
+            now = time.monotonic()
+            due = [p for p in self.ledger.agent_pods() if self._probe_due.get(p.key, 0.0) <= now]
+            if due and self.ledger.synced:
+                await asyncio.gather(*(probe(p) for p in due), return_exceptions=True)
+            await asyncio.sleep(self.liveness_interval / 2)
+
+    async def probe_agent(self, pod: PodInfo) -> None:
+        started = time.monotonic()
+        liveness = self.ledger.liveness
+        try:
+            info = await self.agents.info(pod.endpoint, timeout=self.probe_timeout)  # type: ignore[arg-type]
+        except AgentGone:
+            changed = liveness.observe_refused(pod.key, pod.uid, started)
+        except (AgentUnreachable, AgentError) as exc:
+            liveness.observe_unreachable(pod.key, pod.uid)
+            log.debug("probe of %s/%s proved nothing: %s", *pod.key, exc)
+            changed = False
+        else:
+            if info.get("podUID") and info["podUID"] != pod.uid:
+                # Another pod's agent answers at this address: ours is not there.
+                changed = liveness.observe_refused(pod.key, pod.uid, started)
+            else:
+                changed = liveness.observe_alive(pod.key, pod.uid, str(info.get("incarnation", "")), started)
+        if changed:
+            state = liveness.agents.get(pod.key)
+            log.info(
+                "agent of pod %s/%s: %s",
+                *pod.key,
+                "gone" if state and state.gone else f"process {state.incarnation if state else '?'}",
+            )
+        self._probe_due[pod.key] = started + liveness.probe_delay(
+            pod.key, self.liveness_interval, self.liveness_max_backoff
+        )
+        self.enqueue(self.ledger.suspect_records(pod.key))
+
     async def _resync_loop(self) -> None:
         while True:
             await asyncio.sleep(self.resync_interval)
@@ -539,12 +602,17 @@ class Reconciler:
             self.metrics.audits.labels("ok").inc()
             self.metrics.saw_namespace(pod.namespace)
             leaked[(pod.namespace, pod.name)] = result
-        self.metrics.set_leaked(leaked)
+        # Bytes held only by claims of dead processes are leaks too, while they wait to be dropped.
+        dead_held = self.ledger.dead_holder_bytes()
+        for key, size in dead_held.items():
+            if key in leaked:
+                leaked[key] += size
+        self.metrics.set_leaked(leaked, {k: v for k, v in dead_held.items() if k in leaked})
 
     async def _audit_pod(self, pod: PodInfo) -> int:
         expected = audit_mod.expected_objects(self.ledger, pod)
-        inventory = await self.agents.inventory(pod.endpoint)  # type: ignore[arg-type]
-        if inventory.get("podUID") and inventory["podUID"] != pod.uid:
+        inventory = await self.agents.inventory(pod.endpoint, pod_uid=pod.uid)  # type: ignore[arg-type]
+        if inventory.get("podUID") != pod.uid:  # the agent checked too; an agent without a pod uid is refused
             raise AgentError(409, f"agent at {pod.endpoint} serves pod uid {inventory['podUID']}, not {pod.uid}")
         now = time.monotonic()
         pending = {
@@ -568,16 +636,10 @@ class Reconciler:
             if obj.deleting or obj.state == names.STATE_LOST:
                 continue
             message = f"agent of pod {pod.name} no longer holds object {obj.object_id} (agent restarted?)"
-            status = {
-                "state": names.STATE_LOST,
-                "sourcePodUID": pod.uid,
-                "conditions": [
-                    _cond(names.CONDITION_READY, "False", "SourceLost", message, obj.generation),
-                    _cond(names.CONDITION_SOURCE_AVAILABLE, "False", "AgentLostObject", message, obj.generation),
-                ],
-            }
-            await self._patch_object_status(obj.key, status)
-            self.metrics.lost.inc()
+            status = statuses.agent_lost_object_status(
+                pod_uid=pod.uid, generation=obj.generation, message=message, now=_now()
+            )
+            await self._patch_object_status(obj.key, status)  # counts gpuobj_lost_objects_total, once
             self._emit("GPUObject", obj.key, obj.uid, "Warning", "Lost", message)
         return max(0, findings.leaked_bytes - reclaimed)
 
@@ -592,7 +654,7 @@ class Reconciler:
         for item in items:
             if item.object_id in described:
                 continue
-            result = await self.agents.free(pod.endpoint, item.object_id, reason="Reclaimed")  # type: ignore[arg-type]
+            result = await self.agents.free(pod.endpoint, item.object_id, reason="Reclaimed", pod_uid=pod.uid)  # type: ignore[arg-type]
             if result.freed:
                 total += result.bytes
                 self.metrics.reclaimed_bytes.labels(pod.namespace).inc(result.bytes)
@@ -608,8 +670,24 @@ class Reconciler:
         return total
 
 
-def _cond(
-    ctype: str, status: str, reason: str, message: str, generation: int, existing: list[dict] | None = None
-) -> dict:
-    """A condition stamped now (the ledger's builder: one shape for every condition gpuobj writes)."""
-    return condition(existing or [], ctype, status, reason, message, generation, now_str(dt.datetime.now(dt.UTC)))
+# Action type -> its executor. Every Action the ledger can return has one (a unit test checks it).
+Reconciler._executors = {
+    LookupPod: Reconciler._do_LookupPod,
+    AddFinalizer: Reconciler._do_AddFinalizer,
+    Materialize: Reconciler._do_Materialize,
+    Free: Reconciler._do_Free,
+    ReleaseWithoutFree: Reconciler._do_ReleaseWithoutFree,
+    DeleteObject: Reconciler._do_DeleteObject,
+    PatchObjectStatus: Reconciler._do_PatchObjectStatus,
+    PatchClaimStatus: Reconciler._do_PatchClaimStatus,
+    SetClaimOwner: Reconciler._do_SetClaimOwner,
+    DeleteClaim: Reconciler._do_DeleteClaim,
+    Requeue: Reconciler._do_Requeue,
+    PatchStreamStatus: Reconciler._do_PatchStreamStatus,
+    FinishStream: Reconciler._do_FinishStream,
+    Emit: Reconciler._do_Emit,
+}
+
+
+def _now() -> str:
+    return statuses.now_str(dt.datetime.now(dt.UTC))

@@ -14,13 +14,17 @@ from typing import Any
 
 import pytest
 
-from gpuobj_agent.auth import TokenFile
 from gpuobj_agent.config import AgentConfig
 from gpuobj_agent.runtime import AgentRuntime
 from gpuobj_dev.testing.agent_workload import AgentProcess
+from gpuobj_dev.testing.issuer import OPERATOR, default_issuer
 from gpuobj_dev.testing.waits import wait_until
 
-TOKEN = "test-token-0123456789"
+# Agents in this suite trust a loopback issuer (gpuobj_dev.testing.issuer); the operator presents
+# OPERATOR_TOKEN, and TOKEN is a reader pod's own token in the namespace the agents serve.
+ISSUER = default_issuer()
+OPERATOR_TOKEN = ISSUER.token(OPERATOR)
+TOKEN = ISSUER.token("default/default", pod=("reader", "reader-uid"))
 
 logging.getLogger("nixl").setLevel(logging.WARNING)
 
@@ -60,8 +64,16 @@ def make_runtime(token_file) -> Iterator[Callable[..., AgentRuntime]]:
     started: list[AgentRuntime] = []
 
     def make(pod_name: str = "pod", **overrides: Any) -> AgentRuntime:
-        config = AgentConfig(pod_name=pod_name, namespace="test", host="127.0.0.1", port=0, token_file=token_file)
-        rt = AgentRuntime(config, tokens=TokenFile(token_file), **overrides).start()
+        config = AgentConfig(
+            pod_name=pod_name,
+            namespace="default",
+            host="127.0.0.1",
+            port=0,
+            token_file=token_file,
+            issuer_url=ISSUER.url,
+            operator_service_accounts=(OPERATOR,),
+        )
+        rt = AgentRuntime(config, **overrides).start()
         started.append(rt)
         return rt
 
@@ -77,7 +89,6 @@ def make_process(tmp_path) -> Iterator[Callable[..., AgentProcess]]:
     procs: list[AgentProcess] = []
 
     def make(pod_name: str, **kwargs: Any) -> AgentProcess:
-        kwargs.setdefault("token", TOKEN)
         proc = AgentProcess(pod_name, workdir=tmp_path / pod_name, **kwargs)
         procs.append(proc)
         return proc.start()

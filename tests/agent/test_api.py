@@ -28,7 +28,7 @@ ENDPOINTS = [
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory):
-    proc = AgentProcess("api", token=TOKEN, workdir=tmp_path_factory.mktemp("api")).start()
+    proc = AgentProcess("api", workdir=tmp_path_factory.mktemp("api")).start()
     try:
         yield proc
         proc.stop()

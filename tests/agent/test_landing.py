@@ -7,7 +7,7 @@ import gc
 import pytest
 
 from gpuobj_agent.buffers import LandingPool
-from gpuobj_agent.layouts import TensorLayout
+from gpuobj_agent.layouts import TensorLayout, layout_of
 from gpuobj_agent.nixl_transport import NixlAgent
 
 pytestmark = pytest.mark.nixl
@@ -29,7 +29,7 @@ def test_a_buffer_returns_to_the_pool_when_the_last_view_dies_and_is_reused(agen
         TensorLayout((100,), "bool", "cpu"),
     ]
     tensors, buf = pool.carve(layouts)
-    assert [TensorLayout.of(t) for t in tensors] == layouts
+    assert [layout_of(t) for t in tensors] == layouts
     assert all(t.data_ptr() % 64 == 0 for t in tensors if t.numel())
     keep = tensors[0][1:]  # a view outlives the fetched tensors
     del tensors

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from gpuobj_agent.errors import BadRequest
-from gpuobj_agent.layouts import DTYPES, TensorLayout, parse_layouts
+from gpuobj_agent.layouts import DTYPES, TensorLayout, allocate, layout_of, parse_layouts
 from gpuobj_contract import names
 
 
 def test_every_contract_dtype_maps_to_torch_and_back():
     assert set(DTYPES) == set(names.DTYPES)
     for name, dtype in DTYPES.items():
-        layout = TensorLayout.of(torch.empty((2, 3), dtype=dtype))
+        layout = layout_of(torch.empty((2, 3), dtype=dtype))
         assert layout.dtype == name and layout.nbytes == 6 * dtype.itemsize
 
 
@@ -21,7 +21,7 @@ def test_zero_dim_and_empty_layouts_round_trip():
     for shape in ([], [0], [3, 0, 2]):
         layout = TensorLayout.from_json({"shape": shape, "dtype": "bool", "device": "cpu"})
         assert TensorLayout.from_json(layout.to_json()) == layout
-        t = layout.allocate(zero=True)
+        t = allocate(layout, zero=True)
         assert tuple(t.shape) == tuple(shape) and t.dtype == torch.bool
 
 

@@ -44,7 +44,7 @@ async def one_round(session, a, b, c, rnd: int, rng: random.Random) -> None:
         expected[i] = body["digest"]
 
     def fetch(reader, source, oid: str, put_as: str | None = None):
-        body = {"endpoint": source.endpoint, "id": oid, "token": source.token, "waitSeconds": 60}
+        body = {"endpoint": source.endpoint, "id": oid, "token": reader.reader_token, "waitSeconds": 60}
         if put_as:
             body["putAs"] = put_as
         return post(session, reader, "/v1/test/fetch", body)

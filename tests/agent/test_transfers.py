@@ -10,7 +10,7 @@ from gpuobj_agent.layouts import DTYPES, TensorLayout
 from gpuobj_dev.testing.agent_workload import AgentProcess
 from gpuobj_dev.testing.waits import wait_until
 
-from .conftest import TOKEN, settle
+from .conftest import settle
 
 pytestmark = pytest.mark.nixl
 
@@ -21,7 +21,7 @@ def pair(tmp_path_factory):
     procs = []
     try:
         for name in ("src", "dst"):
-            procs.append(AgentProcess(name, workload=True, token=TOKEN, workdir=tmp_path_factory.mktemp(name)).start())
+            procs.append(AgentProcess(name, workload=True, workdir=tmp_path_factory.mktemp(name)).start())
         yield procs
         for proc in procs:
             proc.stop()
@@ -39,7 +39,9 @@ def put(proc: AgentProcess, oid: str, layouts: list[TensorLayout], seed: int) ->
 
 
 def fetch(proc: AgentProcess, src: AgentProcess, oid: str, **extra) -> tuple[int, dict]:
-    return proc.request("POST", "/v1/test/fetch", {"endpoint": src.endpoint, "id": oid, "token": src.token, **extra})
+    return proc.request(
+        "POST", "/v1/test/fetch", {"endpoint": src.endpoint, "id": oid, "token": proc.reader_token, **extra}
+    )
 
 
 def free(proc: AgentProcess, oid: str, **body) -> dict:
@@ -143,7 +145,7 @@ def test_a_free_during_an_in_flight_read_waits_then_frees(pair):
 
 def test_a_fetch_from_a_vanished_source_fails_cleanly(pair, tmp_path):
     _, dst = pair
-    with AgentProcess("doomed", workload=True, token=TOKEN, workdir=tmp_path) as doomed:
+    with AgentProcess("doomed", workload=True, workdir=tmp_path) as doomed:
         put(doomed, "o-doomed", [sized(1 << 20, "float32")], seed=4)
         assert fetch(dst, doomed, "o-doomed")[0] == 200
         doomed.kill()  # the pod vanishes with the object in it

@@ -5,7 +5,6 @@ Cluster-side checks (server dry run, install, upgrade, uninstall, RBAC) are in t
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 import tarfile
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gpuobj_contract import names
 from gpuobj_operator.main import build_parser
 from tests.deploy import chart_docs
 from tests.deploy.support import (
@@ -38,7 +38,7 @@ from tests.deploy.support import (
 RULES_FILE = REPO / "deploy" / "prometheus" / "gpuobj-rules.yaml"
 DASHBOARD_FILE = REPO / "deploy" / "grafana" / "gpuobj-leaks-dashboard.json"
 DEFAULT_KINDS = {
-    "ServiceAccount", "Secret", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding", "Role",
+    "ServiceAccount", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding", "Role",
     "RoleBinding", "Service", "Deployment",
 }  # fmt: skip
 OPTIONAL_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap"}
@@ -82,7 +82,8 @@ def test_template_renders_every_optional_feature() -> None:
     assert one(docs, "PodMonitor")["spec"]["selector"]["matchLabels"] == {"gpuobj.io/agent": "true"}
     dashboard = one(docs, "ConfigMap")
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
-    # Workload RBAC and the token copy land in the workload namespace.
+    # Workload RBAC lands in the workload namespace (and no Secret anywhere: there is no shared token).
+    assert not find(docs, "Secret")
     binding = one(docs, "RoleBinding", "t-gpuobj-workload")
     assert binding["metadata"]["namespace"] == "ml"
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "trainer", "namespace": "ml"}]
@@ -190,13 +191,17 @@ def test_operator_deployment_runs_one_hardened_replica_with_the_operators_flags(
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
     assert env == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
-    # The token Secret is mounted as a directory and passed as --token-file.
-    (token_volume,) = [v for v in pod["volumes"] if "secret" in v]
-    assert token_volume["secret"]["secretName"] == one(docs, "Secret")["metadata"]["name"]
+    # The operator's own projected token for the agents' audience, mounted as a directory (rotation reaches
+    # it) and passed as --token-file.
+    (token_volume,) = [v for v in pod["volumes"] if "projected" in v]
+    (source,) = token_volume["projected"]["sources"]
+    assert source["serviceAccountToken"]["audience"] == names.AGENT_AUDIENCE
+    assert 600 <= source["serviceAccountToken"]["expirationSeconds"] <= 3600
     (mount,) = [m for m in container["volumeMounts"] if m["name"] == token_volume["name"]]
     assert "subPath" not in mount
     args = container["args"]
-    token_file = f"{mount['mountPath']}/{token_volume['secret']['items'][0]['path']}"
+    token_file = f"{mount['mountPath']}/{source['serviceAccountToken']['path']}"
+    assert "--allow-agent-host-annotation" not in args  # agents are called at their pod IP only
     assert f"--token-file={token_file}" in args
     assert "--lease-namespace=$(POD_NAMESPACE)" in args and "--identity=$(POD_NAME)" in args
     assert "--namespace=ml" in args and "--log-level=DEBUG" in args and "--metrics-port=8080" in args
@@ -232,19 +237,20 @@ def test_operator_rbac_grants_nothing_on_secrets_crds_or_namespaces() -> None:
                     assert not {"secrets", "customresourcedefinitions", "namespaces"} & set(rule["resources"]), rule
 
 
-def test_agent_token_copies_share_one_generated_value() -> None:
+def test_the_chart_renders_no_shared_token_in_any_namespace() -> None:
     docs = render(values={"workloads": {"bindings": [{"namespace": "ml", "serviceAccounts": ["a"]},
-                                                      {"namespace": "rl", "serviceAccounts": ["b"]}]}})  # fmt: skip
-    secrets = find(docs, "Secret")
-    assert sorted(s["metadata"]["namespace"] for s in secrets) == ["gpuobj-test", "ml", "rl"]
-    assert len({s["data"]["token"] for s in secrets}) == 1
-    assert len(base64.b64decode(secrets[0]["data"]["token"])) == 48
-    # With an existing Secret the chart creates none and mounts that one.
-    docs = render(values={"agentToken": {"existingSecret": "my-token", "key": "bearer"}})
+                                                      {"namespace": "rl", "serviceAccounts": ["b"]}]},
+                          "agentAuth": {"tokenExpirationSeconds": 900}})  # fmt: skip
     assert not find(docs, "Secret")
-    volume = next(v for v in one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"] if "secret" in v)
-    assert volume["secret"]["secretName"] == "my-token"
-    assert volume["secret"]["items"] == [{"key": "bearer", "path": "token"}]
+    volumes = one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    assert not [v for v in volumes if "secret" in v]
+    (projected,) = [v["projected"]["sources"][0]["serviceAccountToken"] for v in volumes if "projected" in v]
+    assert projected["expirationSeconds"] == 900
+    # The host-annotation escape hatch is off unless asked for, and then it is one flag.
+    args = one(render(values={"operator": {"allowAgentHostAnnotation": True}}), "Deployment")["spec"]["template"][
+        "spec"
+    ]
+    assert "--allow-agent-host-annotation" in args["containers"][0]["args"]
 
 
 # ------------------------------------------------------------------ docs and versions
@@ -255,7 +261,7 @@ def test_chart_readme_values_table_is_rendered_from_values_comments() -> None:
     values = (CHART / "values.yaml").read_text()
     assert chart_docs.render(readme, values) == readme, "run `python tests/deploy/chart_docs.py --write`"
     documented = {r.key for r in chart_docs.rows(values)}
-    assert {"crds.enabled", "crds.keep", "agentToken.existingSecret", "workloads.bindings"} <= documented
+    assert {"crds.enabled", "crds.keep", "agentAuth.tokenExpirationSeconds", "workloads.bindings"} <= documented
     keep = next(r for r in chart_docs.rows(values) if r.key == "crds.keep")
     assert "GPUObject" in keep.description and "GPUObjectClaim" in keep.description
 
@@ -295,9 +301,9 @@ def test_kustomize_base_renders_the_same_objects_as_the_chart() -> None:
         (d["kind"], d["metadata"]["name"]): d for d in built if d["kind"] not in ("CustomResourceDefinition",)
     }
     chart_rest = {(d["kind"], d["metadata"]["name"]): d for d in chart}
-    # The base leaves out the token Secret (kustomize cannot generate one) and adds the namespace.
+    # The base adds the namespace; neither has a token Secret.
     assert set(built_rest) - set(chart_rest) == {("Namespace", "gpuobj-system")}
-    assert set(chart_rest) - set(built_rest) == {("Secret", "gpuobj-agent-token")}
+    assert set(chart_rest) == set(built_rest) - {("Namespace", "gpuobj-system")}
     for key, doc in built_rest.items():
         if key[0] == "Namespace":
             continue

@@ -171,10 +171,6 @@ def _assert_release_objects_exist(cluster: ClusterHandle, release: str, namespac
     return manifest
 
 
-def _token(cluster: ClusterHandle, namespace: str, secret: str) -> str:
-    return cluster.kubectl("get", "secret", "-n", namespace, secret, "-o", "jsonpath={.data.token}").stdout
-
-
 # ------------------------------------------------------------------ server-side dry runs
 
 
@@ -217,7 +213,7 @@ def test_examples_apply_in_a_restricted_namespace(
 # ------------------------------------------------------------------ helm install / upgrade / uninstall
 
 
-def test_install_upgrade_and_uninstall_keep_the_crds_their_objects_and_the_token(
+def test_install_upgrade_and_uninstall_keep_the_crds_and_their_objects_and_create_no_secret(
     gpuobj_cluster: ClusterHandle, namespaces: Callable[..., str], crds_restored: None
 ) -> None:
     k, helm = gpuobj_cluster.kubectl, gpuobj_cluster.helm
@@ -231,16 +227,18 @@ def test_install_upgrade_and_uninstall_keep_the_crds_their_objects_and_the_token
         manifest = _assert_release_objects_exist(gpuobj_cluster, release, ns)
         kinds = {d["kind"] for d in manifest}
         assert {"CustomResourceDefinition", "Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
-                "Role", "RoleBinding", "Service", "Secret"} <= kinds  # fmt: skip
+                "Role", "RoleBinding", "Service"} <= kinds  # fmt: skip
+        assert "Secret" not in kinds  # no shared token: each pod presents its own projected token
         k("wait", "--for", "condition=Established", "--timeout=60s", *(f"crd/{n}" for n in CRD_NAMES))
         for name in CRD_NAMES:
             meta = json.loads(k("get", "crd", name, "-o", "json").stdout)["metadata"]
             assert meta["annotations"][KEEP_ANNOTATION] == "keep"
-        (secret,) = {d["metadata"]["name"] for d in manifest if d["kind"] == "Secret"}
-        token = _token(gpuobj_cluster, ns, secret)
-        assert token and _token(gpuobj_cluster, workload_ns, secret) == token
+        assert (
+            k("get", "secret", "-n", workload_ns, "-l", f"app.kubernetes.io/instance={release}", "-o", "name").stdout
+            == ""
+        )
 
-        # Upgrade: new values reach the Deployment; the generated token stays (looked up, not regenerated).
+        # Upgrade: new values reach the Deployment.
         helm("upgrade", release, str(CHART), "-n", ns, "--reuse-values", "--set", "operator.logLevel=DEBUG")
         deployment = one(manifest, "Deployment")["metadata"]["name"]
         args = json.loads(
@@ -249,8 +247,6 @@ def test_install_upgrade_and_uninstall_keep_the_crds_their_objects_and_the_token
             ).stdout
         )
         assert "--log-level=DEBUG" in args
-        assert _token(gpuobj_cluster, ns, secret) == token
-        assert _token(gpuobj_cluster, workload_ns, secret) == token
         assert json.loads(helm("status", release, "-n", ns, "-o", "json").stdout)["version"] == 2
 
         # An object someone declared, which uninstalling must not destroy.
@@ -415,7 +411,7 @@ def test_workload_service_account_has_exactly_what_the_client_library_uses(
     assert workload_rules == {
         ("gpuobjects.gpuobj.io", (), frozenset({"create", "get", "list", "watch", "delete"})),
         ("gpuobjectclaims.gpuobj.io", (), frozenset({"create", "get", "delete"})),
-        ("gpuobjectstreams.gpuobj.io", (), frozenset({"create", "get", "patch", "delete"})),
+        ("gpuobjectstreams.gpuobj.io", (), frozenset({"create", "get", "list", "watch", "patch", "delete"})),
         ("gpuobjectstreams.gpuobj.io/status", (), frozenset({"patch"})),
         ("pods", (), frozenset({"get"})),
     }
@@ -424,6 +420,17 @@ def test_workload_service_account_has_exactly_what_the_client_library_uses(
     assert _granted(gpuobj_cluster, r["workload"], r["ns"], r["nobody"]) == set()
     for request in (("list", "pods"), ("delete", "pods"), ("patch", "gpuobjects.gpuobj.io"),
                     ("patch", "gpuobjects.gpuobj.io", "--subresource=status"), ("get", "secrets")):  # fmt: skip
+        assert not _can(gpuobj_cluster, r["workload"], *request, "-n", r["workload_ns"]), request
+    # Every documented action, one by one (a StreamReader lists and watches streams).
+    for request in (("create", "gpuobjects.gpuobj.io"), ("delete", "gpuobjects.gpuobj.io"),
+                    ("watch", "gpuobjects.gpuobj.io"), ("create", "gpuobjectclaims.gpuobj.io"),
+                    ("delete", "gpuobjectclaims.gpuobj.io"), ("list", "gpuobjectstreams.gpuobj.io"),
+                    ("watch", "gpuobjectstreams.gpuobj.io"), ("patch", "gpuobjectstreams.gpuobj.io"),
+                    ("patch", "gpuobjectstreams.gpuobj.io", "--subresource=status"), ("get", "pods")):  # fmt: skip
+        assert _can(gpuobj_cluster, r["workload"], *request, "-n", r["workload_ns"]), request
+    # Nothing on claims beyond create/get/delete: a workload cannot rewrite another pod's claim.
+    for request in (("patch", "gpuobjectclaims.gpuobj.io"), ("update", "gpuobjectclaims.gpuobj.io"),
+                    ("create", "serviceaccounts/token"), ("get", "serviceaccounts")):  # fmt: skip
         assert not _can(gpuobj_cluster, r["workload"], *request, "-n", r["workload_ns"]), request
 
 

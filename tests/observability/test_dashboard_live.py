@@ -10,7 +10,6 @@ agents (gpuobj_dev.testing.agent_workload.AgentProcess) and are exercised by the
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from gpuobj_contract import names
 from gpuobj_dev.observability import dashboard, queries, rules
 from gpuobj_dev.observability.scrape import OPERATOR_JOB
 from gpuobj_dev.testing.cluster import ClusterHandle
+from gpuobj_dev.testing.identities import OPERATOR_SA, credentials, install_identities
 from gpuobj_dev.testing.operator import OperatorProcess
 from gpuobj_dev.testing.pods import create_agent_pod, delete_pod
 from gpuobj_dev.testing.prometheus import Prometheus, Result, sample_value
@@ -49,16 +49,17 @@ def positive(result: Result) -> bool:
 def namespace(gpuobj_cluster: ClusterHandle) -> Iterator[str]:
     name = f"obs-{uuid.uuid4().hex[:8]}"
     gpuobj_cluster.kubectl("create", "namespace", name)
+    install_identities(gpuobj_cluster, name)
     yield name
     gpuobj_cluster.kubectl("delete", "namespace", name, "--wait=false")
 
 
 @pytest.fixture
-def token_file(tmp_path: Path) -> Path:
-    path = tmp_path / "agent-token"
-    path.write_text(secrets.token_hex(16))
-    path.chmod(0o600)
-    return path
+def token_file(gpuobj_cluster: ClusterHandle, namespace: str, tmp_path: Path) -> Iterator[Path]:
+    """The operator runs as its ServiceAccount (start_operator finds the kubeconfig next to this file)."""
+    creds = credentials(gpuobj_cluster, namespace, OPERATOR_SA, tmp_path / "operator")
+    yield creds.agent_token
+    creds.stop()
 
 
 def gpuobject(name: str, pod: dict) -> dict:

@@ -1,9 +1,13 @@
-"""Fixtures for operator tests: a namespace per test, and the real operator watching only it."""
+"""Fixtures for operator tests: a namespace per test, and the real operator watching only it.
+
+Everyone runs as their own ServiceAccount with the chart's RBAC (gpuobj_dev.testing.identities):
+the operator as `gpuobj-operator`, each workload pod as `gpuobj-workload` with tokens bound to its
+pod. The admin credentials only play the cluster admin and the kubelet (namespaces, pod status).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import secrets
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +15,14 @@ from pathlib import Path
 import pytest
 
 from gpuobj_dev.testing.cluster import ClusterHandle
+from gpuobj_dev.testing.identities import (
+    OPERATOR_SA,
+    WORKLOAD_SA,
+    Credentials,
+    credentials,
+    install_identities,
+    operator_subject,
+)
 from gpuobj_dev.testing.operator import OperatorProcess
 from gpuobj_dev.testing.pods import create_agent_pod, delete_pod
 from gpuobj_dev.testing.workload import WorkloadProcess, free_port
@@ -28,30 +40,39 @@ FAST_ARGS = [
     "3",
     "--resync-interval",
     "5",
+    "--liveness-interval",
+    "0.25",
 ]
-
-
-@pytest.fixture
-def token_file(tmp_path: Path) -> Path:
-    path = tmp_path / "agent-token"
-    path.write_text(secrets.token_hex(16))
-    path.chmod(0o600)
-    return path
 
 
 @pytest.fixture
 def namespace(gpuobj_cluster: ClusterHandle) -> Iterator[str]:
     name = f"t-{uuid.uuid4().hex[:10]}"
     gpuobj_cluster.kubectl("create", "namespace", name)
+    install_identities(gpuobj_cluster, name)
     yield name
     gpuobj_cluster.kubectl("delete", "namespace", name, "--wait=false")
+
+
+@pytest.fixture
+def operator_identity(gpuobj_cluster: ClusterHandle, namespace: str, tmp_path: Path) -> Iterator[Credentials]:
+    creds = credentials(gpuobj_cluster, namespace, OPERATOR_SA, tmp_path / "operator")
+    yield creds
+    creds.stop()
+
+
+@pytest.fixture
+def token_file(operator_identity: Credentials) -> Path:
+    """The operator's agent-audience token: what a test presents when it plays the operator at an agent."""
+    return operator_identity.agent_token
 
 
 def start_operator(
     cluster: ClusterHandle, token_file: Path, namespace: str, identity: str = "op-1", extra: list[str] | None = None
 ) -> OperatorProcess:
+    """The operator as its ServiceAccount: `token_file` is its agent token, next to its kubeconfig."""
     return OperatorProcess(
-        cluster.kubeconfig,
+        token_file.with_name("kubeconfig"),
         token_file,
         identity=identity,
         lease_namespace=namespace,
@@ -75,46 +96,54 @@ def operator(
 class Pods:
     """Workload pods for one test: a Pod object (no kubelet) plus a real process running the client library."""
 
-    def __init__(self, cluster: ClusterHandle, namespace: str, token_file: Path) -> None:
+    def __init__(self, cluster: ClusterHandle, namespace: str, token_file: Path, folder: Path) -> None:
         self.cluster = cluster
         self.namespace = namespace
         self.token_file = token_file
+        self.folder = folder
         self.workloads: dict[str, WorkloadProcess] = {}
         self.uids: dict[str, str] = {}
+        self.credentials: dict[str, Credentials] = {}
+        self.extra_env: dict[str, dict[str, str]] = {}  # per workload, kept across container restarts
+
+    def _process(self, name: str, port: int) -> WorkloadProcess:
+        creds = self.credentials[name]
+        return WorkloadProcess(
+            pod_name=name,
+            namespace=self.namespace,
+            pod_uid=self.uids[name],
+            port=port,
+            token_file=creds.agent_token,
+            kubeconfig=creds.kubeconfig,
+            env={"GPUOBJ_OPERATOR_SERVICEACCOUNT": operator_subject(self.namespace), **self.extra_env.get(name, {})},
+        )
 
     def workload(self, name: str, env: dict[str, str] | None = None) -> WorkloadProcess:
         port = free_port()
 
         async def create() -> dict:
             async with self.cluster.client() as kube:
-                return await create_agent_pod(kube, self.namespace, name, port=port)
+                return await create_agent_pod(kube, self.namespace, name, port=port, service_account=WORKLOAD_SA)
 
         pod = asyncio.run(create())
         self.uids[name] = pod["metadata"]["uid"]
-        w = WorkloadProcess(
-            pod_name=name,
-            namespace=self.namespace,
-            pod_uid=pod["metadata"]["uid"],
-            port=port,
-            token_file=self.token_file,
-            kubeconfig=self.cluster.kubeconfig,
-            env=env,
+        self.credentials[name] = credentials(
+            self.cluster, self.namespace, WORKLOAD_SA, self.folder / name, pod=(name, self.uids[name])
         )
+        self.extra_env[name] = env or {}
+        w = self._process(name, port)
         self.workloads[name] = w
         return w.start()
+
+    def agent_token(self, name: str) -> Path:
+        """The pod's own agent-audience token (what it presents when it reads elsewhere)."""
+        return self.credentials[name].agent_token
 
     def restart_process(self, name: str) -> WorkloadProcess:
         """The container restarts: same pod (uid, address), a new process with an empty store."""
         old = self.workloads[name]
         old.kill()
-        w = WorkloadProcess(
-            pod_name=name,
-            namespace=self.namespace,
-            pod_uid=self.uids[name],
-            port=int(old.env["GPUOBJ_AGENT_PORT"]),
-            token_file=self.token_file,
-            kubeconfig=self.cluster.kubeconfig,
-        )
+        w = self._process(name, int(old.env["GPUOBJ_AGENT_PORT"]))
         self.workloads[name] = w
         return w.start()
 
@@ -137,13 +166,15 @@ class Pods:
                 w.stop(timeout=30)
             except AssertionError:
                 w.kill()
+        for creds in self.credentials.values():
+            creds.stop()
 
 
 @pytest.fixture
 def pods(
-    request: pytest.FixtureRequest, gpuobj_cluster: ClusterHandle, namespace: str, token_file: Path
+    request: pytest.FixtureRequest, gpuobj_cluster: ClusterHandle, namespace: str, token_file: Path, tmp_path: Path
 ) -> Iterator[Pods]:
-    p = Pods(gpuobj_cluster, namespace, token_file)
+    p = Pods(gpuobj_cluster, namespace, token_file, tmp_path / "pods")
     yield p
     if failed(request):
         for name, w in p.workloads.items():

@@ -49,7 +49,11 @@ def test_put_share_fetch_release_frees_on_the_source(
     # put queued the GPUObject, with the finalizer (write-behind); flush waited until it was recorded.
     created = kube(gpuobj_cluster, lambda k: k.get(GPUOBJECTS, "weights", namespace))
     assert names.FINALIZER_FREE in created["metadata"]["finalizers"]
-    assert created["spec"]["source"] == {"podName": "src", "podUID": pods.uids["src"]}
+    assert created["spec"]["source"] == {
+        "podName": "src",
+        "podUID": pods.uids["src"],
+        "incarnation": src.eval("client.incarnation"),
+    }
 
     shared = src.eval_pickle("client.share(ref, 'reader')")
     reader.run(f"h = client.adopt(load_pickle({shared!r})); got = client.fetch(h)[0]")

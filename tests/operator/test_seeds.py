@@ -101,7 +101,8 @@ def test_seed_003_late_reports_failed_writes_and_stream_deletion_leave_nothing(
         ),
     )
     producer.run("try:\n    w.emit([torch.ones(64)])\n    failed = None\nexcept Exception as e:\n    failed = repr(e)")
-    assert "AlreadyExists" in producer.eval("failed")
+    failed = producer.eval("failed")
+    assert "NameTakenError" in failed and "already exists" in failed  # a GpuObjError, saying what happened
     gpuobj_cluster.kubectl("delete", "gpuobject", "tokens-5", "-n", namespace)
     # An item written but never reported (the producer crashed between the two):
     producer.run("client.agent.put('o-unreported', [torch.ones(64)], stream='tokens', stream_index=6)")

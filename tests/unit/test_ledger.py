@@ -98,7 +98,8 @@ def test_a_live_object_gets_ready_status_once_and_then_no_writes() -> None:
 def test_deleted_object_without_claims_is_freed_on_its_source() -> None:
     ledger = synced_ledger(pod(), obj(deleting=True))
     (action,) = ledger.decide_object((NS, "w"), NOW)
-    assert action == Free((NS, "w"), "obj-uid-1", "o-w", "10.0.0.5:8471", 64, "OutOfScope")
+    # The free names the pod uid the agent must serve (it refuses otherwise: a reused address, a decoy).
+    assert action == Free((NS, "w"), "obj-uid-1", "o-w", "10.0.0.5:8471", 64, "OutOfScope", "pod-uid-1")
 
 
 def test_deleted_object_waits_for_its_claims_and_frees_after_the_last_goes() -> None:
@@ -114,6 +115,27 @@ def test_deleted_object_waits_for_its_claims_and_frees_after_the_last_goes() -> 
     ledger.remove_claim(c2, now=2.0)
     assert kinds(ledger.decide_object((NS, "w"), NOW)) == [Free]
     assert ledger.ref_gone_at[(NS, "w")] == 2.0
+
+
+def test_a_copy_naming_the_same_bytes_never_frees_them_while_the_original_lives() -> None:
+    """Issue 11: a peer copied spec.objectId and source into a new GPUObject and deleted it."""
+    ledger = synced_ledger(pod(), obj("real"), claim("c1", "real"), obj("copy", uid="obj-uid-2", deleting=True,
+                                                                       spec_object_id="o-real"))  # fmt: skip
+    actions = ledger.decide_object((NS, "copy"), NOW)
+    assert kinds(actions) == [Emit, ReleaseWithoutFree]
+    assert actions[0].reason == "DuplicateObjectId" and actions[1].reason == "DuplicateObjectId"
+    # The original, once deleted and unclaimed (the copy gone), is freed as usual.
+    ledger.remove_object(ledger.objects[(NS, "copy")])
+    ledger.remove_claim(ledger.claims[(NS, "c1")], now=1.0)
+    ledger.objects[(NS, "real")].deleting = True
+    assert kinds(ledger.decide_object((NS, "real"), NOW)) == [Free]
+
+
+def test_a_claim_shared_by_a_pod_other_than_the_source_holds_nothing() -> None:
+    ledger = synced_ledger(pod(), obj(deleting=True), claim("bogus", holder_pod="victim", shared_by="intruder"))
+    assert kinds(ledger.decide_object((NS, "w"), NOW)) == [Free]
+    ledger = synced_ledger(pod(), obj(deleting=True), claim("real", holder_pod="reader", shared_by="src"))
+    assert Free not in kinds(ledger.decide_object((NS, "w"), NOW))
 
 
 def test_claims_pinned_to_another_incarnation_or_being_deleted_hold_nothing() -> None:
@@ -174,7 +196,9 @@ def test_deleted_object_without_our_finalizer_is_left_to_the_api_server() -> Non
 def test_declared_object_is_materialized_by_its_source_agent() -> None:
     declared = obj(spec_object_id=None, source_pod_uid=None, key_name="weights")
     ledger = synced_ledger(pod(), declared)
-    assert ledger.decide_object((NS, "w"), NOW) == [Materialize((NS, "w"), "obj-uid-1", "10.0.0.5:8471", "obj-uid-1")]
+    assert ledger.decide_object((NS, "w"), NOW) == [
+        Materialize((NS, "w"), "obj-uid-1", "10.0.0.5:8471", "obj-uid-1", "pod-uid-1")
+    ]
 
 
 def test_declared_object_whose_pod_does_not_exist_yet_waits_instead_of_being_lost() -> None:
@@ -205,7 +229,9 @@ def test_deleting_a_stream_deletes_its_items_then_finishes() -> None:
     ledger.upsert_object(obj("tokens-0", uid="i0", stream=("tokens", 0), deleting=True), now=1.0)
     assert ledger.decide_stream((NS, "tokens"), NOW) == []  # waits for the item's free
     ledger.remove_object(ledger.objects[(NS, "tokens-0")])
-    assert ledger.decide_stream((NS, "tokens"), NOW) == [FinishStream((NS, "tokens"), "s-uid", "10.0.0.5:8471")]
+    assert ledger.decide_stream((NS, "tokens"), NOW) == [
+        FinishStream((NS, "tokens"), "s-uid", "10.0.0.5:8471", "pod-uid-1")
+    ]
 
 
 def test_item_of_a_vanished_stream_is_deleted() -> None:

@@ -55,14 +55,6 @@ app.kubernetes.io/component: operator
 {{- default (include "gpuobj.operator.name" .) .Values.operator.leaseName -}}
 {{- end -}}
 
-{{- define "gpuobj.tokenSecretName" -}}
-{{- if .Values.agentToken.existingSecret -}}
-{{- .Values.agentToken.existingSecret -}}
-{{- else -}}
-{{- default (printf "%s-agent-token" (include "gpuobj.fullname" .)) .Values.agentToken.secretName -}}
-{{- end -}}
-{{- end -}}
-
 {{- define "gpuobj.workloadRoleName" -}}
 {{- printf "%s-workload" (include "gpuobj.fullname" .) -}}
 {{- end -}}
@@ -109,7 +101,8 @@ Nothing on Secrets, CRDs or namespaces (kopf runs standalone with scanning disab
   verbs: [create, get, delete]
 - apiGroups: [gpuobj.io]
   resources: [gpuobjectstreams]
-  verbs: [create, get, patch, delete]
+  # list and watch: StreamReader follows a stream (gpuobj/client/streams.py)
+  verbs: [create, get, list, watch, patch, delete]
 - apiGroups: [gpuobj.io]
   resources: [gpuobjectstreams/status]
   verbs: [patch]

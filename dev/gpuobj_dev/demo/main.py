@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import secrets
 import signal
 import sys
 import threading
@@ -27,6 +26,7 @@ from typing import Any
 from gpuobj_contract import metric_names as m
 from gpuobj_dev.cluster import DEFAULT_STATE_DIR, DevCluster
 from gpuobj_dev.testing.cluster import ClusterHandle
+from gpuobj_dev.testing.identities import OPERATOR_SA, WORKLOAD_SA, credentials, install_identities, operator_subject
 from gpuobj_dev.testing.operator import OperatorProcess
 from gpuobj_dev.testing.pods import create_agent_pod, delete_pod
 from gpuobj_dev.testing.workload import WorkloadProcess
@@ -96,16 +96,18 @@ class Demo:
             if not self.args.keep and not already:
                 self.stack.callback(cluster.down, quiet=True)
             self.cluster = ClusterHandle(cluster, state)
-        with self.step("installing the CRDs from crds/ and a fresh namespace"):
+        with self.step("installing the CRDs from crds/, a fresh namespace and the chart's ServiceAccounts and RBAC"):
             self.cluster.apply_crds()
             self._fresh_namespace()
-            self.token_file = state_dir / "agent-token"
-            self.token_file.write_text(secrets.token_hex(16))
-            self.token_file.chmod(0o600)
+            install_identities(self.cluster, NAMESPACE)
+            # The operator and every pod run as their own ServiceAccounts with projected tokens, never as admin.
+            self.identities = state_dir / "identities"
+            self.operator_creds = credentials(self.cluster, NAMESPACE, OPERATOR_SA, self.identities / "operator")
+            self.stack.callback(self.operator_creds.stop)
         with self.step("starting the operator and three workload pods"):
             op = OperatorProcess(
-                self.cluster.kubeconfig,
-                self.token_file,
+                self.operator_creds.kubeconfig,
+                self.operator_creds.agent_token,
                 identity="gpuobj-operator-demo",
                 lease_namespace=NAMESPACE,
                 extra_args=[
@@ -156,16 +158,21 @@ class Demo:
 
         async def create() -> dict:
             async with self.cluster.client() as kube:
-                return await create_agent_pod(kube, NAMESPACE, name, port=port)
+                return await create_agent_pod(kube, NAMESPACE, name, port=port, service_account=WORKLOAD_SA)
 
         pod = asyncio.run(create())
+        creds = credentials(
+            self.cluster, NAMESPACE, WORKLOAD_SA, self.identities / name, pod=(name, pod["metadata"]["uid"])
+        )
+        self.stack.callback(creds.stop)
         w = WorkloadProcess(
             pod_name=name,
             namespace=NAMESPACE,
             pod_uid=pod["metadata"]["uid"],
             port=port,
-            token_file=self.token_file,
-            kubeconfig=self.cluster.kubeconfig,
+            token_file=creds.agent_token,
+            kubeconfig=creds.kubeconfig,
+            env={"GPUOBJ_OPERATOR_SERVICEACCOUNT": operator_subject(NAMESPACE)},
         )
         self.stack.callback(w.kill)
         return w.start()
@@ -243,8 +250,11 @@ class Demo:
             self.report["objects"] += 1
             shared = producer.eval_pickle("client.share(ckpt, 'consumer-0')")
             consumer.run(f"ckpt = client.adopt(load_pickle({shared!r}))")
-            producer.run("ckpt.release(); client.flush()")  # written behind: flush so the record is there
-            self._wait_state("checkpoint", lambda o: o and (o.get("status") or {}).get("state") == "Releasing")
+            # A checkpoint outlives the write-behind window: wait until the object and the claim are
+            # recorded in the API (a short-lived object would never be written at all).
+            producer.run("client.flush()")
+            producer.run("ckpt.release()")
+            self._wait_state("checkpoint", lambda o: ((o or {}).get("status") or {}).get("state") == "Releasing")
             self.show_objects("checkpoint held only by consumer-0's claim")
             consumer.kill()
 

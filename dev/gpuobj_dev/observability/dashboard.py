@@ -116,7 +116,27 @@ def rows() -> tuple[RowSpec, ...]:
                 "a workload keeps leaking (objects dropped without releasing references): fix the workload.",
                 units.BytesPerSecondIEC,
                 (Query(q.rate(m.RECLAIMED_BYTES, "namespace"), "{{namespace}}"),),
-                width=24,
+                width=12,
+                height=7,
+            ),
+            PanelSpec(
+                "Leaked bytes held by gone holders",
+                "The part of the leaked bytes that only claims of a gone holder still reference: the holder's process "
+                "died or restarted while its pod stayed, or its pod is gone. The operator drops such claims within "
+                "seconds (Event HolderGone); a line that stays up means it cannot reach the API server.",
+                units.BytesIEC,
+                (Query(f"max by (namespace, pod) ({m.DEAD_HOLDER_BYTES})", "{{namespace}}/{{pod}}"),),
+                red_at=1,
+                width=6,
+                height=7,
+            ),
+            PanelSpec(
+                "Claims dropped",
+                "Claims the operator deleted because their holder pod or agent process is gone, or their TTL ran "
+                "out (Events HolderGone, Expired). A steady rate of 'process' means containers keep crashing.",
+                units.Short,
+                (Query(q.rate(m.CLAIMS_DROPPED, "holder"), "{{holder}}"),),
+                width=6,
                 height=7,
             ),
         ),

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpuobj_contract import agent_api as api
+
 
 def _get(url: str, token: str | None = None, timeout: float = 10) -> bytes:
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
@@ -17,13 +19,13 @@ def _get(url: str, token: str | None = None, timeout: float = 10) -> bytes:
 
 
 def inventory(endpoint: str, token_file: Path) -> dict:
-    return json.loads(_get(f"http://{endpoint}/v1/objects", token_file.read_text().strip()))
+    return json.loads(_get(f"http://{endpoint}{api.INVENTORY.path()}", token_file.read_text().strip()))
 
 
 def metric(endpoint: str, name: str, labels: dict[str, str] | None = None) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels`` (0.0 when absent)."""
     total = 0.0
-    for family in text_string_to_metric_families(_get(f"http://{endpoint}/metrics").decode()):
+    for family in text_string_to_metric_families(_get(f"http://{endpoint}{api.METRICS.path()}").decode()):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
                 total += sample.value

@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from gpuobj_agent.layouts import TensorLayout
+from gpuobj_agent.layouts import TensorLayout, allocate, layout_of, torch_dtype
+from gpuobj_dev.testing.issuer import OPERATOR, TestIssuer, default_issuer
 
 LISTENING = "gpuobj agent listening on http://"
 
@@ -45,7 +46,7 @@ def make_tensors(layouts: Sequence[TensorLayout], seed: int, device: str | None 
         raw = torch.randint(0, 256, (layout.nbytes,), dtype=torch.uint8, generator=gen)
         if layout.dtype == "bool":
             raw &= 1
-        t = raw.view(layout.torch_dtype).reshape(layout.shape) if layout.nbytes else layout.allocate(device="cpu")
+        t = raw.view(torch_dtype(layout)).reshape(layout.shape) if layout.nbytes else allocate(layout, device="cpu")
         out.append(t.to(device or layout.device))
     return out
 
@@ -54,7 +55,7 @@ def digest(tensors: Sequence[torch.Tensor]) -> str:
     """sha256 over layouts and raw bytes."""
     h = hashlib.sha256()
     for t in tensors:
-        h.update(json.dumps(TensorLayout.of(t).to_json()).encode())
+        h.update(json.dumps(layout_of(t).to_json()).encode())
         flat = t.detach().to("cpu").contiguous().reshape(-1)
         if flat.numel():
             h.update(flat.view(torch.uint8).numpy().tobytes())
@@ -72,6 +73,8 @@ class AgentProcess:
         namespace: str = "default",
         pod_uid: str | None = None,
         token: str | None = None,
+        reader_token: str | None = None,
+        issuer: TestIssuer | None = None,
         workload: bool = False,
         env: dict[str, str] | None = None,
         args: Sequence[str] = (),
@@ -81,7 +84,10 @@ class AgentProcess:
         self.pod_name = pod_name
         self.namespace = namespace
         self.pod_uid = pod_uid or secrets.token_hex(8)
-        self.token = token or secrets.token_hex(16)
+        self.issuer = issuer or default_issuer()
+        # What the operator presents (control routes), and this pod's own token (its reads elsewhere).
+        self.token = token or self.issuer.token(OPERATOR)
+        self.reader_token = reader_token or self.issuer.token(f"{namespace}/default", pod=(pod_name, self.pod_uid))
         self.workload = workload
         self.env = dict(env or {})
         self.args = list(args)
@@ -127,13 +133,17 @@ class AgentProcess:
             "0",
             "--token-file",
             str(self.token_file),
+            "--issuer-url",
+            self.issuer.url,
+            "--operator-serviceaccount",
+            OPERATOR,
             *self.args,
         ]
 
     def start(self, timeout: float = 120.0) -> AgentProcess:
         """Spawn, wait for the "listening" line and for /readyz 200; raise with the log on failure."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.token_file.write_text(self.token + "\n")
+        self.token_file.write_text(self.reader_token + "\n")
         self.token_file.chmod(0o600)
         env = {**os.environ, **self.env}
         log = open(self.log_file, "wb")  # noqa: SIM115 - the child owns it
@@ -180,11 +190,15 @@ class AgentProcess:
         auth: bool | str = True,
         timeout: float = 60.0,
         raw: bytes | None = None,
+        headers: dict[str, str] | None = None,
     ) -> tuple[int, Any]:
         """One HTTP request; returns (status, parsed JSON or text). `auth` may be a token string."""
-        headers = {}
+        headers = dict(headers or {})
+        if auth is True:  # the operator on control routes; this pod's own token on read routes
+            reading = (method == "POST" and path.endswith("/reads")) or (method == "DELETE" and "/v1/reads/" in path)
+            auth = self.reader_token if reading else self.token
         if auth:
-            headers["Authorization"] = f"Bearer {self.token if auth is True else auth}"
+            headers["Authorization"] = f"Bearer {auth}"
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
         if data is not None:
             headers["Content-Type"] = "application/json"
@@ -249,6 +263,12 @@ class AgentProcess:
 
 
 # -- the stand-in workload -----------------------------------------------------------------
+def own_token(agent: Any) -> str | None:
+    """The pod's own projected token (re-read: it rotates), presented when it reads elsewhere."""
+    path = agent.config.token_file
+    return Path(path).read_text().strip() if path else None
+
+
 def workload_routes(app: Any) -> None:
     """Test-only routes: put seeded tensors, fetch from another agent, report counts."""
     from aiohttp import web
@@ -288,7 +308,7 @@ def workload_routes(app: Any) -> None:
                     data["endpoint"],
                     data["id"],
                     device=data.get("device", "cpu"),
-                    token=data.get("token"),
+                    token=data.get("token") or own_token(agent),
                     timeout=data.get("timeout"),
                 )
                 break

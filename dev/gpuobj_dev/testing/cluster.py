@@ -66,3 +66,6 @@ class ClusterHandle:
             "-f",
             str(CRDS_DIR / "gpuobj.io_gpuobjectstreams.yaml"),
         )
+        # Refresh kubectl's discovery cache: `kubectl get gpuobj` expands a category, and kubectl does not
+        # re-read discovery for a category it has not seen (a short name would have been retried).
+        self.kubectl("api-resources", "--api-group", "gpuobj.io", "--cached=false")

@@ -47,6 +47,9 @@ class OperatorProcess:
             identity,
             "--lease-namespace",
             lease_namespace,
+            # The dev control plane has no pod network: agents listen on loopback at the port the
+            # pod's annotations name. Production operators never take a host from an annotation.
+            "--allow-agent-host-annotation",
             *(extra_args or []),
         ]
         self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}

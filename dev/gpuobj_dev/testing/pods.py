@@ -11,8 +11,18 @@ from gpuobj_contract import names
 from gpuobj_kube.client import PODS, KubeClient, NotFound, wait_for
 
 
-async def create_agent_pod(kube: KubeClient, namespace: str, name: str, *, host: str = "127.0.0.1", port: int) -> dict:
-    """Create a Running pod whose agent listens at host:port; returns the pod (with its uid)."""
+async def create_agent_pod(
+    kube: KubeClient,
+    namespace: str,
+    name: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int,
+    service_account: str | None = None,
+) -> dict:
+    """Create a Running pod whose agent listens at host:port; returns the pod (with its uid).
+
+    With `service_account` the pod runs as it, so tokens bound to the pod can be requested for it."""
     body = {
         "metadata": {
             "name": name,
@@ -28,6 +38,7 @@ async def create_agent_pod(kube: KubeClient, namespace: str, name: str, *, host:
                 }
             ],
             "terminationGracePeriodSeconds": 0,
+            **({"serviceAccountName": service_account} if service_account else {}),
         },
     }
     pod = await kube.create(PODS, body, namespace)

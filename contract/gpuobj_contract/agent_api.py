@@ -1,0 +1,193 @@
+"""The agent control API as code: its routes and JSON shapes, one home for the agent, the operator,
+the client and the benchmarks (docs/agent-api.md describes the same in words).
+
+Why typed shapes: a field renamed on one side used to fail as a KeyError (or worse, a default)
+on the other. Each shape parses what it receives with `from_json` (unknown fields are ignored:
+a newer agent may add some) and writes what it sends with `to_json`; plain Python, no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+from urllib.parse import quote
+
+from gpuobj_contract.layouts import TensorLayout
+
+# Ids are matched in full (re.fullmatch): "o-1\n" is not an id.
+OBJECT_ID_PATTERN = r"[A-Za-z0-9._-]{1,128}"
+STREAM_NAME_PATTERN = r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?"
+_OBJECT_ID = re.compile(OBJECT_ID_PATTERN)
+_STREAM = re.compile(STREAM_NAME_PATTERN)
+
+# A NIXL READ posted with this notification message ends the read ticket `<readId>` at the source.
+READ_END_NOTIF_PREFIX = "gpuobj-read-end:"
+
+
+def is_object_id(text: object) -> bool:
+    return isinstance(text, str) and _OBJECT_ID.fullmatch(text) is not None
+
+
+def is_stream_name(text: object) -> bool:
+    return isinstance(text, str) and _STREAM.fullmatch(text) is not None
+
+
+class Route(NamedTuple):
+    """One endpoint: its method and path template (aiohttp's `{name}` syntax)."""
+
+    method: str
+    template: str
+
+    def path(self, **params: str) -> str:
+        """The concrete path, every parameter percent-encoded."""
+        return self.template.format(**{k: quote(str(v), safe="") for k, v in params.items()})
+
+
+HEALTHZ = Route("GET", "/healthz")
+READYZ = Route("GET", "/readyz")
+METRICS = Route("GET", "/metrics")
+INFO = Route("GET", "/v1/info")
+INVENTORY = Route("GET", "/v1/objects")
+GET_OBJECT = Route("GET", "/v1/objects/{id}")
+MATERIALIZE = Route("PUT", "/v1/objects/{id}")
+BEGIN_READ = Route("POST", "/v1/objects/{id}/reads")
+END_READ = Route("DELETE", "/v1/reads/{read_id}")
+FREE = Route("POST", "/v1/objects/{id}/free")
+FREE_STREAM = Route("POST", "/v1/streams/{stream}/free")
+RELEASE_HANDOFF = Route("POST", "/v1/claims/{claim}/release")
+
+OPEN_ROUTES = (HEALTHZ, READYZ, METRICS)  # no credential needed
+PROTECTED_PREFIX = "/v1/"
+
+
+@dataclass(frozen=True)
+class FreeRequest:
+    reason: str | None = None
+    wait_fence: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"waitFence": self.wait_fence} if self.wait_fence else {}
+        if self.reason:
+            body["reason"] = self.reason
+        return body
+
+
+@dataclass(frozen=True)
+class FreeAnswer:
+    """`freed`: this call released the object; false for an unknown or already freed id (free is idempotent)."""
+
+    freed: bool
+    bytes: int = 0
+    waited_seconds: float = 0.0
+    fenced: bool = True
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        if not self.freed:
+            return {"freed": False, "reason": self.reason}
+        return {"freed": True, "bytes": self.bytes, "waitedSeconds": self.waited_seconds, "fenced": self.fenced}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FreeAnswer:
+        return cls(
+            freed=bool(data.get("freed")),
+            bytes=int(data.get("bytes", 0)),
+            waited_seconds=float(data.get("waitedSeconds", 0.0)),
+            fenced=bool(data.get("fenced", True)),
+            reason=str(data.get("reason", "")),
+        )
+
+
+@dataclass(frozen=True)
+class StreamFreeAnswer:
+    freed: tuple[str, ...]
+    bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"freed": list(self.freed), "bytes": self.bytes}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StreamFreeAnswer:
+        return cls(tuple(str(i) for i in data.get("freed", [])), int(data.get("bytes", 0)))
+
+
+@dataclass(frozen=True)
+class ReadEndAnswer:
+    """`valid`: the read ended within its lease (its bytes are good); `expired`: it did not (discard them)."""
+
+    ended: bool
+    valid: bool
+    expired: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ended": self.ended, "valid": self.valid, "expired": self.expired}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ReadEndAnswer:
+        return cls(bool(data.get("ended")), bool(data.get("valid")), bool(data.get("expired")))
+
+
+@dataclass(frozen=True)
+class MaterializeRequest:
+    """Bind the tensors published under `key` (layouts must match), or allocate zeroed ones."""
+
+    tensors: tuple[TensorLayout, ...]
+    key: str | None = None
+    stream: str | None = None
+    stream_index: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"tensors": [t.to_json() for t in self.tensors]}
+        for name, value in (("key", self.key), ("stream", self.stream), ("streamIndex", self.stream_index)):
+            if value is not None:
+                body[name] = value
+        return body
+
+
+@dataclass(frozen=True)
+class InventoryItem:
+    id: str
+    bytes: int
+    age_seconds: float = 0.0
+    stream: str | None = None
+    stream_index: int | None = None
+    key: str | None = None
+    inflight_reads: int = 0
+    freeing: bool = False
+    tensors: tuple[TensorLayout, ...] = ()
+
+    @classmethod
+    def from_json(cls, o: dict[str, Any]) -> InventoryItem:
+        return cls(
+            id=str(o["id"]),
+            bytes=int(o.get("bytes", 0)),
+            age_seconds=float(o.get("ageSeconds", 0.0)),
+            stream=o.get("stream"),
+            stream_index=o.get("streamIndex"),
+            key=o.get("key"),
+            inflight_reads=int(o.get("inflightReads", 0)),
+            freeing=bool(o.get("freeing", False)),
+            tensors=tuple(TensorLayout.from_json(t, "tensor") for t in o.get("tensors", [])),
+        )
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """What an agent holds, and whose agent it is (pod, UID, process incarnation)."""
+
+    pod: str
+    namespace: str
+    pod_uid: str
+    incarnation: str
+    objects: tuple[InventoryItem, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Inventory:
+        return cls(
+            pod=str(data.get("pod", "")),
+            namespace=str(data.get("namespace", "")),
+            pod_uid=str(data.get("podUID", "")),
+            incarnation=str(data.get("incarnation", "")),
+            objects=tuple(InventoryItem.from_json(o) for o in data.get("objects", [])),
+        )

@@ -1,0 +1,108 @@
+"""Which agent process (incarnation) of each pod is alive, from the operator's probes. Pure.
+
+Why: a container that crashes while its pod stays leaves the Pod object untouched, so the
+pod watch says nothing; only the agent itself can say that the process that made a record
+is gone. Every agent has a random ``incarnation`` (GET /v1/info) and a pod runs one agent,
+so an incarnation is dead once the pod's agent answers with another one, or once nothing
+listens at its address (connection refused, confirmed twice).
+
+Nothing is freed on stale knowledge: an incarnation the operator never saw alive (a record
+made before this operator started) is judged only by a probe sent after the operator
+learned of the record, since that record's process then certainly came first. A probe that
+times out (a stopped or overloaded process) proves nothing and only backs off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpuobj_operator.model import Key
+
+
+@dataclass
+class AgentState:
+    pod_uid: str
+    incarnation: str | None = None  # the incarnation last seen alive
+    gone: bool = False  # confirmed: nothing listens at the agent's address
+    judged_at: float = float("-inf")  # start of the last probe that answered or confirmed gone
+    refusals: int = 0  # consecutive refusals
+    failures: int = 0  # consecutive probes that proved nothing (timeouts, errors)
+    dead: set[str] = field(default_factory=set)  # incarnations seen alive, then replaced or gone
+
+
+@dataclass
+class Liveness:
+    confirm_refusals: int = 2
+    agents: dict[Key, AgentState] = field(default_factory=dict)
+
+    def _state(self, pod: Key, pod_uid: str) -> AgentState:
+        state = self.agents.get(pod)
+        if state is None or state.pod_uid != pod_uid:
+            state = self.agents[pod] = AgentState(pod_uid)
+        return state
+
+    def observe_alive(self, pod: Key, pod_uid: str, incarnation: str, probe_started: float) -> bool:
+        """The agent answered. Returns whether what the operator knows changed."""
+        state = self._state(pod, pod_uid)
+        changed = state.gone or state.incarnation != incarnation
+        if state.incarnation and state.incarnation != incarnation:
+            state.dead.add(state.incarnation)
+        state.incarnation, state.gone = incarnation, False
+        state.refusals = state.failures = 0
+        state.judged_at = max(state.judged_at, probe_started)
+        return changed
+
+    def observe_refused(self, pod: Key, pod_uid: str, probe_started: float) -> bool:
+        """Nothing listens at the agent's address. Gone once confirmed; returns whether that changed."""
+        state = self._state(pod, pod_uid)
+        state.refusals += 1
+        state.failures = 0
+        if state.refusals < self.confirm_refusals:
+            return False
+        changed = not state.gone
+        if state.incarnation:
+            state.dead.add(state.incarnation)
+        state.incarnation, state.gone = None, True
+        state.judged_at = max(state.judged_at, probe_started)
+        return changed
+
+    def observe_unreachable(self, pod: Key, pod_uid: str) -> None:
+        """A timeout or an error: the process may be stopped or busy; proves nothing."""
+        state = self._state(pod, pod_uid)
+        state.failures += 1
+        state.refusals = 0
+
+    def forget(self, pod: Key) -> None:
+        self.agents.pop(pod, None)
+
+    def agent_gone(self, pod: Key, pod_uid: str) -> bool:
+        state = self.agents.get(pod)
+        return state is not None and state.pod_uid == pod_uid and state.gone
+
+    def incarnation_dead(self, pod: Key, pod_uid: str | None, incarnation: str, learned_at: float) -> str | None:
+        """Why ``incarnation`` of this pod is known dead (a message), or None while it may live.
+
+        ``learned_at``: when the operator first saw the record naming it (monotonic seconds).
+        """
+        state = self.agents.get(pod)
+        if state is None or (pod_uid and state.pod_uid != pod_uid):
+            return None
+        if incarnation == state.incarnation and not state.gone:
+            return None
+        known = incarnation in state.dead
+        if not known and state.judged_at <= learned_at:
+            return None  # not asked since we heard of the record: it may be the newer process
+        if state.gone:
+            return f"agent process {incarnation} of pod {pod[1]} is gone (nothing listens at its address)"
+        return f"agent process {incarnation} of pod {pod[1]} was replaced by {state.incarnation} (container restart)"
+
+    def probe_delay(self, pod: Key, interval: float, max_backoff: float) -> float:
+        """Seconds until the next probe: quick while confirming a refusal, backing off while failing or gone."""
+        state = self.agents.get(pod)
+        if state is None:
+            return interval
+        if state.failures:
+            return min(max_backoff, interval * 2**state.failures)
+        if state.gone:
+            return min(max_backoff, interval * 2)
+        return interval

@@ -1,0 +1,68 @@
+"""The agent control API's routes and shapes (gpuobj_contract.agent_api): both sides read the same code."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuobj_contract import agent_api as api
+from gpuobj_contract.layouts import TensorLayout
+
+
+def test_paths_percent_encode_their_parameters() -> None:
+    assert api.FREE.path(id="o-1") == "/v1/objects/o-1/free"
+    assert api.END_READ.path(read_id="a/b c") == "/v1/reads/a%2Fb%20c"
+    assert api.FREE_STREAM.method == "POST" and api.FREE_STREAM.path(stream="s") == "/v1/streams/s/free"
+    assert all(not r.template.startswith(api.PROTECTED_PREFIX) for r in api.OPEN_ROUTES)
+
+
+@pytest.mark.parametrize("text", ["o-1\n", "", "a" * 129, "o 1", "o/1", None, 7])
+def test_object_ids_are_matched_in_full(text: object) -> None:
+    assert not api.is_object_id(text)
+
+
+def test_valid_ids_and_stream_names() -> None:
+    assert api.is_object_id("o-" + "f" * 32) and api.is_object_id("A.b_c-9")
+    assert api.is_stream_name("acts-1") and not api.is_stream_name("Acts") and not api.is_stream_name("acts\n")
+
+
+def test_free_shapes_round_trip_both_answers() -> None:
+    assert api.FreeRequest().to_json() == {}
+    assert api.FreeRequest(reason="Released", wait_fence=True).to_json() == {"waitFence": True, "reason": "Released"}
+    freed = api.FreeAnswer(freed=True, bytes=4096, waited_seconds=0.5, fenced=False)
+    assert api.FreeAnswer.from_json(freed.to_json()) == freed
+    noop = api.FreeAnswer.from_json({"freed": False, "reason": "unknown object"})
+    assert (noop.freed, noop.bytes, noop.reason) == (False, 0, "unknown object")
+
+
+def test_inventory_parses_what_an_agent_sends_and_ignores_new_fields() -> None:
+    data = {
+        "pod": "src",
+        "namespace": "ml",
+        "podUID": "u1",
+        "incarnation": "i1",
+        "futureField": 1,
+        "objects": [
+            {
+                "id": "o-1",
+                "bytes": 64,
+                "tensors": [{"shape": [4, 4], "dtype": "float32", "device": "cpu"}],
+                "ageSeconds": 1.5,
+                "inflightReads": 2,
+                "stream": "s",
+                "streamIndex": 3,
+                "freeing": True,
+            }
+        ],
+    }
+    inv = api.Inventory.from_json(data)
+    (item,) = inv.objects
+    assert (inv.pod, inv.pod_uid, inv.incarnation) == ("src", "u1", "i1")
+    assert item.tensors == (TensorLayout((4, 4), "float32", "cpu"),) and item.bytes == 64
+    assert (item.inflight_reads, item.stream_index, item.freeing) == (2, 3, True)
+
+
+def test_materialize_and_read_end_shapes() -> None:
+    req = api.MaterializeRequest((TensorLayout((2,), "int8", "cpu"),), key="weights")
+    assert req.to_json() == {"tensors": [{"shape": [2], "dtype": "int8", "device": "cpu"}], "key": "weights"}
+    end = api.ReadEndAnswer.from_json({"ended": True, "valid": True, "expired": False})
+    assert end.to_json() == {"ended": True, "valid": True, "expired": False}
