@@ -39,6 +39,7 @@ from gpuobj_agent.layouts import TensorLayout
 from gpuobj_agent.nixl_transport import NixlAgent
 from gpuobj_agent.runtime import AgentRuntime
 from gpuobj_dev.testing.agent_workload import AgentProcess
+from gpuobj_dev.testing.issuer import OPERATOR, default_issuer
 
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "B": 1}
 
@@ -144,17 +145,17 @@ def copier(nbytes: int) -> Callable[[], object]:
 
 
 def fetch_parallel(
-    rt: AgentRuntime, src: AgentProcess, oid: str, nbytes: int, seconds: float, inflight: int = 4
+    rt: AgentRuntime, src: AgentProcess, oid: str, nbytes: int, seconds: float, reader_token: str, inflight: int = 4
 ) -> float:
     async def run() -> float:
         async def worker(deadline: float) -> int:
             n = 0
             while time.perf_counter() < deadline or n == 0:
-                await rt.afetch(src.endpoint, oid, token=src.token)
+                await rt.afetch(src.endpoint, oid, token=reader_token)
                 n += 1
             return n
 
-        await asyncio.gather(*(rt.afetch(src.endpoint, oid, token=src.token) for _ in range(inflight)))
+        await asyncio.gather(*(rt.afetch(src.endpoint, oid, token=reader_token) for _ in range(inflight)))
         start = time.perf_counter()
         counts = await asyncio.gather(*(worker(start + seconds) for _ in range(inflight)))
         return sum(counts) * nbytes / (time.perf_counter() - start) / 1e9
@@ -210,10 +211,20 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="gpuobj-bench-") as tmp:
         token_file = Path(tmp) / "token"
-        src = AgentProcess("bench-src", workload=True, workdir=tmp).start()
-        token_file.write_text(src.token)
+        issuer = default_issuer()  # ServiceAccount tokens, verified by the agents against its keys
+        src = AgentProcess("bench-src", workload=True, workdir=tmp, issuer=issuer).start()
+        reader_token = issuer.token(f"{src.namespace}/default", pod=("bench-dst", "bench-dst-uid"))
+        token_file.write_text(reader_token)
         rt = AgentRuntime(
-            AgentConfig(pod_name="bench-dst", host="127.0.0.1", port=0, token_file=str(token_file))
+            AgentConfig(
+                pod_name="bench-dst",
+                namespace=src.namespace,
+                host="127.0.0.1",
+                port=0,
+                token_file=str(token_file),
+                issuer_url=issuer.url,
+                operator_service_accounts=(OPERATOR,),
+            )
         ).start()
         rows = []
         try:
@@ -241,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                         {
                             "copy": copier(nbytes),
                             "raw": raw,
-                            "fetch": lambda o=oid: rt.fetch(src.endpoint, o, token=src.token),
+                            "fetch": lambda o=oid: rt.fetch(src.endpoint, o, token=reader_token),
                             "grant": lambda o=oid, g=grant: rt.fetch_granted_direct(src.endpoint, o, g[0]),
                         },
                         args.seconds,
@@ -250,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 finally:
                     raw.close()
-                par = fetch_parallel(rt, src, oid, nbytes, args.seconds)
+                par = fetch_parallel(rt, src, oid, nbytes, args.seconds, reader_token)
                 gbs = {name: nbytes / value / 1e9 for name, value in per.items()}
                 rows.append((nbytes, gbs["copy"], gbs["raw"], gbs["fetch"], per["fetch"] * 1e3, par, gbs["grant"], per))
                 src.request("POST", f"/v1/objects/{oid}/free", {})

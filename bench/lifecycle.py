@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import json
 import os
-import secrets
 import subprocess
 import sys
 import tempfile
@@ -179,7 +178,7 @@ def ray_side(args: argparse.Namespace) -> dict:
                 lat.append(log.wait(base + 1) - t_release)
             return cycles / (time.perf_counter() - started), lat
 
-        out: dict = {"load_start": load(), "rows": {}, "pairs": {}, "errors": []}
+        out: dict = {"load_start": load(), "rows": {}, "pairs": {}, "errors": [], "npairs": args.pairs}
         p, c, log = pair()
         run_cycles(p, c, log, 4096, 5, False)  # warm up the transport
         for size in args.sizes:
@@ -378,6 +377,13 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
     from gpuobj_dev.cluster import DevCluster
     from gpuobj_dev.testing.api_requests import delta, request_counts, writes
     from gpuobj_dev.testing.cluster import ClusterHandle
+    from gpuobj_dev.testing.identities import (
+        OPERATOR_SA,
+        WORKLOAD_SA,
+        credentials,
+        install_identities,
+        operator_subject,
+    )
     from gpuobj_dev.testing.operator import OperatorProcess
     from gpuobj_dev.testing.pods import create_agent_pod
     from gpuobj_dev.testing.workload import WorkloadProcess, free_port
@@ -386,36 +392,49 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
     cluster = DevCluster(state, tie_to_parent=True, log=lambda m: print(f"# {m}", file=sys.stderr, flush=True))
     handle = ClusterHandle(cluster, cluster.up())
     workloads: list[WorkloadProcess] = []
+    identities: list = []
     operator = None
-    out: dict = {"load_start": load(), "rows": {}, "pairs": {}, "writes": {}}
+    out: dict = {"load_start": load(), "rows": {}, "pairs": {}, "writes": {}, "npairs": args.pairs}
     try:
         handle.apply_crds()
         handle.kubectl("create", "namespace", NAMESPACE)
-        token = state / "token"
-        token.write_text(secrets.token_hex(16))
-        # The harness runs the operator and workloads with the admin kubeconfig today (the per-
-        # ServiceAccount harness is being converted); the bench uses what the tests use.
+        # Everyone as their own ServiceAccount with the chart's RBAC, as the tests run them: the
+        # operator as gpuobj-operator, each workload pod as gpuobj-workload with pod-bound tokens.
+        install_identities(handle, NAMESPACE)
+        op_creds = credentials(handle, NAMESPACE, OPERATOR_SA, state / "operator")
+        identities.append(op_creds)
         operator = (
-            OperatorProcess(handle.kubeconfig, token, lease_namespace=NAMESPACE, extra_args=["--namespace", NAMESPACE])
+            OperatorProcess(
+                op_creds.agent_token.with_name("kubeconfig"),
+                op_creds.agent_token,
+                lease_namespace=NAMESPACE,
+                extra_args=["--namespace", NAMESPACE],
+            )
             .start()
             .wait_ready()
         )
 
         async def pod(name: str, port: int) -> str:
             async with handle.client() as kube:
-                return (await create_agent_pod(kube, NAMESPACE, name, port=port))["metadata"]["uid"]
+                created = await create_agent_pod(kube, NAMESPACE, name, port=port, service_account=WORKLOAD_SA)
+                return created["metadata"]["uid"]
 
         def start(name: str) -> tuple[WorkloadProcess, str]:
             port = free_port()
             uid = asyncio.run(pod(name, port))
+            creds = credentials(handle, NAMESPACE, WORKLOAD_SA, state / name, pod=(name, uid))
+            identities.append(creds)
             w = WorkloadProcess(
                 pod_name=name,
                 namespace=NAMESPACE,
                 pod_uid=uid,
                 port=port,
-                token_file=token,
-                kubeconfig=handle.kubeconfig,
-                env={"GPUOBJ_WRITE_WINDOW": str(args.window)},
+                token_file=creds.agent_token,
+                kubeconfig=creds.kubeconfig,
+                env={
+                    "GPUOBJ_WRITE_WINDOW": str(args.window),
+                    "GPUOBJ_OPERATOR_SERVICEACCOUNT": operator_subject(NAMESPACE),
+                },
             ).start(ready_timeout=180)
             workloads.append(w)
             return w, uid
@@ -506,6 +525,9 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
             w.kill()
         if operator:
             operator.stop()
+        for creds in identities:
+            with contextlib.suppress(Exception):
+                creds.stop()
         cluster.down(quiet=True)
 
 
@@ -559,8 +581,9 @@ def report(ray: dict | str, ours: dict | str, sizes: list[int]) -> None:
             one = ours["rows"].get(str(size), {}).get("persistent", {}).get("rate") if isinstance(ours, dict) else None
             scale = f", {op / one:.2f}x one pair" if op and one else ""
             ratio = f" ({op / rp:.2f}x Ray)" if op and rp else ""
+            npairs = (ours if isinstance(ours, dict) else ray).get("npairs", 4)  # type: ignore[union-attr]
             print(
-                f"4 pairs, {human(size)}: Ray {rp or float('nan'):.1f} c/s, gpuobj {op or float('nan'):.1f} c/s"
+                f"{npairs} pairs, {human(size)}: Ray {rp or float('nan'):.1f} c/s, gpuobj {op or float('nan'):.1f} c/s"
                 f"{ratio}{scale}"
             )
     if isinstance(ours, dict):
