@@ -39,7 +39,7 @@ from gpuobj_agent.layouts import TensorLayout
 from gpuobj_agent.nixl_transport import NixlAgent
 from gpuobj_agent.runtime import AgentRuntime
 from gpuobj_dev.testing.agent_workload import AgentProcess
-from gpuobj_dev.testing.issuer import OPERATOR
+from gpuobj_dev.testing.issuer import OPERATOR, default_issuer
 
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "B": 1}
 
@@ -145,17 +145,17 @@ def copier(nbytes: int) -> Callable[[], object]:
 
 
 def fetch_parallel(
-    rt: AgentRuntime, src: AgentProcess, oid: str, nbytes: int, seconds: float, token: str, inflight: int = 4
+    rt: AgentRuntime, src: AgentProcess, oid: str, nbytes: int, seconds: float, reader_token: str, inflight: int = 4
 ) -> float:
     async def run() -> float:
         async def worker(deadline: float) -> int:
             n = 0
             while time.perf_counter() < deadline or n == 0:
-                await rt.afetch(src.endpoint, oid, token=token)
+                await rt.afetch(src.endpoint, oid, token=reader_token)
                 n += 1
             return n
 
-        await asyncio.gather(*(rt.afetch(src.endpoint, oid, token=token) for _ in range(inflight)))
+        await asyncio.gather(*(rt.afetch(src.endpoint, oid, token=reader_token) for _ in range(inflight)))
         start = time.perf_counter()
         counts = await asyncio.gather(*(worker(start + seconds) for _ in range(inflight)))
         return sum(counts) * nbytes / (time.perf_counter() - start) / 1e9
@@ -211,20 +211,23 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="gpuobj-bench-") as tmp:
         token_file = Path(tmp) / "token"
+        issuer = default_issuer()  # ServiceAccount tokens, verified by the agents against its keys
         # Two processes of one user on one node, compared with a raw NIXL READ between the same two: a
         # single-tenant setting, so UCX's cma (unbounded by registrations, off by default) is allowed
         # explicitly, as the raw READ uses it too (docs/security.md).
-        src = AgentProcess("bench-src", workload=True, workdir=tmp, env={"GPUOBJ_ALLOW_CMA": "true"}).start()
-        # The reader pod's own token (same namespace as the source), from the issuer the agents trust.
-        reader_token = src.issuer.token("default/default", pod=("bench-dst", "bench-dst-uid"))
+        src = AgentProcess(
+            "bench-src", workload=True, workdir=tmp, issuer=issuer, env={"GPUOBJ_ALLOW_CMA": "true"}
+        ).start()
+        reader_token = issuer.token(f"{src.namespace}/default", pod=("bench-dst", "bench-dst-uid"))
         token_file.write_text(reader_token)
         rt = AgentRuntime(
             AgentConfig(
                 pod_name="bench-dst",
+                namespace=src.namespace,
                 host="127.0.0.1",
                 port=0,
                 token_file=str(token_file),
-                issuer_url=src.issuer.url,
+                issuer_url=issuer.url,
                 operator_service_accounts=(OPERATOR,),
                 allow_cma=True,
             )
@@ -239,16 +242,16 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 assert status == 200, body
                 raw = RawNixl(src, oid, nbytes)
-                grant: dict = {}
+                grant: list[dict] = [{}]
 
-                def regrant(o: str = oid, grant: dict = grant, raw: RawNixl = raw) -> None:
+                def regrant(o: str = oid, grant: list[dict] = grant, raw: RawNixl = raw) -> None:
                     # A read grant as a reader caches it (from the read endpoint; a hand-off embeds one).
+                    # A new dict each time: a grant is immutable (the reader caches its parse by identity).
                     raw.refresh()
                     status, body = src.request("POST", f"/v1/objects/{o}/reads", {"reader": "bench-grant"})
                     assert status == 200, body
                     src.request("DELETE", f"/v1/reads/{body.pop('readId')}")
-                    grant.clear()
-                    grant.update(body)
+                    grant[0] = body
 
                 try:
                     per = interleaved(
@@ -256,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                             "copy": copier(nbytes),
                             "raw": raw,
                             "fetch": lambda o=oid: rt.fetch(src.endpoint, o, token=reader_token),
-                            "grant": lambda o=oid, g=grant: rt.fetch_granted_direct(src.endpoint, o, g),
+                            "grant": lambda o=oid, g=grant: rt.fetch_granted_direct(src.endpoint, o, g[0]),
                         },
                         args.seconds,
                         args.rounds,

@@ -58,8 +58,10 @@ class AgentConfig:
     # for young objects (put since the last rotation), and for long-lived (tenured) ones.
     fence_interval: float = 0.25
     tenured_fence_interval: float = 1.0
-    # Rotate at once (without waiting for fence_interval) when this many freed bytes wait.
-    quarantine_high_bytes: int = 64 << 20
+    # Rotate at once (without waiting for fence_interval) when this many freed bytes wait. Well above
+    # one large object: at 64 MiB, every free of a 64 MiB object rotated, and every next fetch paid a
+    # new NIXL connection (~20-25 ms of the 64 MiB reader step, bench/lifecycle.py).
+    quarantine_high_bytes: int = 256 << 20
     # UCX progress thread poll timeout in microseconds (see nixl_transport.py).
     progress_delay_us: int = 1000
     # Default bound on one fetch (ticket, transfer, end).

@@ -24,7 +24,10 @@ agent; when an agent is sealed, its live objects move (one bulk registration, 3.
 region) to the tenured lane's active agent. A free deregisters at once, with the agent
 that registered the memory, forgets the object and answers; if some reader was ever
 handed the object's keys, its tensors go to the quarantine (quarantine.py) instead of
-being dropped, waiting on that agent. The fencer then rotates: within `fence_interval`
+being dropped, waiting on that agent, and its regions stay registered there, parked,
+until that agent is retired (deregistering them would fence nobody, and NIXL refuses a
+reader a second key for the same region, so a persistent tensor put again would need a
+newer agent every time; parked, the same key serves it). The fencer then rotates: within `fence_interval`
 (young) or `tenured_fence_interval` (long-lived objects), or at once above
 `quarantine_high_bytes` or when a free asks to wait for its fence, it activates a
 pre-created spare agent in that lane, moves the sealed agent's live objects out in
@@ -160,6 +163,10 @@ class Fencer:
             gens.append(self._spare)
             self._spare = None
         await self.store._control(lambda: None)  # nothing of ours still runs on the control thread
+        for gen in gens:
+            parked = self.store.ledger.parked(gen.gid) if gen.gid in self.store.ledger.generations() else []
+            if parked:
+                await self.store._deregister(gen.gid, parked)
         for gen in gens:
             await self._destroy(gen)
         for entry in self.store.quarantine.drain():
@@ -326,6 +333,11 @@ class Fencer:
                     gen.migrated.discard(oid)
                 if keys:
                     await store._deregister(gen.gid, keys)
+        if not store.members.get(gen.gid) and not store.tickets.inflight(gid=gen.gid):
+            async with store.nixl_lock:  # freed regions parked here until the fence (registrations.py)
+                parked = store.ledger.parked(gen.gid)
+                if parked:
+                    await store._deregister(gen.gid, parked)
         if store.members.get(gen.gid) or store.ledger.count(gen.gid) or store.tickets.inflight(gid=gen.gid):
             return
         async with store.nixl_lock:

@@ -137,8 +137,16 @@ class RegistrationLedger:
     def owners(self, gid: int) -> set[str]:
         return {o for entry in self._gens.get(gid, {}).values() for o in entry.owners}
 
-    def release(self, gid: int, owner: str) -> Released:
-        """Drop `owner` from agent `gid`; return the regions nobody uses any more (to deregister)."""
+    def release(self, gid: int, owner: str, *, park_exposed: bool = False) -> Released:
+        """Drop `owner` from agent `gid`; return the regions nobody uses any more (to deregister).
+
+        ``park_exposed``: an exposed region nobody uses stays registered ("parked") until its agent is
+        retired (the fence deregisters it, `parked`), instead of being deregistered now. A reader may
+        hold its key, and NIXL refuses a second key for the same region, so deregistering it would
+        force the next put of the same memory (a persistent tensor put again) into a newer agent.
+        Parked, the same key serves the next put: no new registration, no rotation. A stale reader
+        can reach the memory until the fence either way (deregistration fences nobody: fencing.py),
+        and the quarantine keeps it from being released before then."""
         keys = self._by_owner.get(owner, {}).pop(gid, set())
         if owner in self._by_owner and not self._by_owner[owner]:
             del self._by_owner[owner]
@@ -149,9 +157,14 @@ class RegistrationLedger:
             entry = regions[key]
             entry.owners.discard(owner)
             if not entry.owners:
-                out.append(key)
                 exposed = exposed or entry.exposed
+                if not (park_exposed and entry.exposed):
+                    out.append(key)
         return Released(out, exposed)
+
+    def parked(self, gid: int) -> list[RegionKey]:
+        """Registered regions of agent `gid` that nobody uses: the fence deregisters them."""
+        return sorted(k for k, e in self._gens.get(gid, {}).items() if not e.owners)
 
     def deregistered(self, gid: int, keys: Iterable[RegionKey]) -> None:
         """The caller deregistered `keys` from agent `gid` (each exactly once)."""

@@ -583,7 +583,7 @@ class ObjectStore:
         exposed: set[int] = set()
         async with self.nixl_lock:
             for gid in self.ledger.owner_generations(obj.object_id):
-                released = self.ledger.release(gid, obj.object_id)
+                released = self.ledger.release(gid, obj.object_id, park_exposed=True)
                 if released.deregister:
                     await self._deregister(gid, released.deregister)
                 if released.exposed:

@@ -219,8 +219,12 @@ class KubeClient:
         label_selector: str | None = None,
         field_selector: str | None = None,
         limit: int | None = None,
+        not_older_than: str | None = None,
     ) -> dict:
-        """List all pages; the result's metadata.resourceVersion is the last page's (good for a watch)."""
+        """List all pages; the result's metadata.resourceVersion is the last page's (good for a watch).
+
+        ``not_older_than``: a resourceVersion; the API server may answer from its watch cache once
+        that cache has reached it (no quorum read from etcd), and never from an older state."""
         items: list[dict] = []
         cont: str | None = None
         while True:
@@ -232,6 +236,8 @@ class KubeClient:
                     "fieldSelector": field_selector,
                     "limit": limit,
                     "continue": cont,
+                    "resourceVersion": not_older_than if cont is None else None,
+                    "resourceVersionMatch": "NotOlderThan" if not_older_than and cont is None else None,
                 },
             )
             items.extend(page.get("items", []))

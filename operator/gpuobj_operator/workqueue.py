@@ -2,19 +2,23 @@
 
 Why: events for one GPUObject arrive from three watches (objects, claims, pods);
 a burst must collapse into one reconcile, and two workers must never act on the
-same object at once.
+same object at once. Items added `urgent` (a reference went: most likely a free) are
+taken before the others, so frees never wait behind a backlog of status work.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Hashable
 
 
 class WorkQueue:
     def __init__(self, base_delay: float = 0.05, max_delay: float = 30.0) -> None:
-        self._queue: asyncio.Queue[Hashable] = asyncio.Queue()
+        self._tokens: asyncio.Queue[None] = asyncio.Queue()  # one per queued item, in either lane
+        self._lanes: tuple[deque[Hashable], deque[Hashable]] = (deque(), deque())  # (urgent, normal)
         self._queued: set[Hashable] = set()
+        self._dirty_urgent: set[Hashable] = set()
         self._processing: set[Hashable] = set()
         self._dirty_while_processing: set[Hashable] = set()
         self._failures: dict[Hashable, int] = {}
@@ -26,16 +30,22 @@ class WorkQueue:
     def __len__(self) -> int:
         return len(self._queued)
 
-    def add(self, item: Hashable) -> None:
+    def add(self, item: Hashable, urgent: bool = False) -> None:
         if self._closed:
             return
         if item in self._processing:
             self._dirty_while_processing.add(item)
+            if urgent:
+                self._dirty_urgent.add(item)
             return
         if item in self._queued:
+            if urgent and item in self._lanes[1]:
+                self._lanes[1].remove(item)  # promote: same token, the other lane
+                self._lanes[0].append(item)
             return
         self._queued.add(item)
-        self._queue.put_nowait(item)
+        self._lanes[0 if urgent else 1].append(item)
+        self._tokens.put_nowait(None)
 
     def add_after(self, item: Hashable, delay: float) -> None:
         if self._closed or item in self._timers:
@@ -61,7 +71,9 @@ class WorkQueue:
         self._failures.pop(item, None)
 
     async def get(self) -> Hashable:
-        item = await self._queue.get()
+        await self._tokens.get()
+        urgent, normal = self._lanes
+        item = urgent.popleft() if urgent else normal.popleft()
         self._queued.discard(item)
         self._processing.add(item)
         return item
@@ -70,7 +82,9 @@ class WorkQueue:
         self._processing.discard(item)
         if item in self._dirty_while_processing:
             self._dirty_while_processing.discard(item)
-            self.add(item)
+            urgent = item in self._dirty_urgent
+            self._dirty_urgent.discard(item)
+            self.add(item, urgent)
 
     def close(self) -> None:
         self._closed = True

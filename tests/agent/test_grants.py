@@ -49,6 +49,11 @@ def test_a_grant_reads_the_bytes_without_a_request_and_goes_stale_cleanly_after_
     assert src.stats()["objects"] == 0
     with pytest.raises(ObjectGone):
         asyncio.run(dst.afetch_granted(src.endpoint, "granted", grant, token=TOKEN))  # falls back to a ticket: gone
+    # A failed READ whose handle NIXL would not release yet keeps its landing tensors in the
+    # reader's graveyard until its next read reaps it: read something else, then let go.
+    src.put("other", [torch.ones(16)])
+    assert dst.fetch(src.endpoint, "other", token=TOKEN)[0].sum() == 16
+    assert src.free("other")["freed"]
     gc.collect()  # the failed reads' tracebacks held their landing tensors
     settle(src.stats)
     settle(dst.stats)

@@ -55,6 +55,24 @@ def test_an_exposed_region_is_never_registered_again_in_the_same_agent():
     assert led.balanced()
 
 
+def test_a_freed_exposed_region_stays_parked_and_serves_the_next_put_of_the_same_memory_until_the_fence():
+    led = ledger(1)
+    led.acquire(1, [A, B], "o1")
+    led.expose(1, [A])
+    released = led.release(1, "o1", park_exposed=True)
+    assert released.exposed and released.deregister == [B]  # the unexposed one goes now
+    led.deregistered(1, released.deregister)
+    assert led.parked(1) == [A] and led.registered_bytes == A.nbytes
+    assert led.acquire(1, [A], "o2") == []  # the same key again: no new registration, no newer agent needed
+    assert led.parked(1) == []
+    again = led.release(1, "o2", park_exposed=True)
+    assert again.exposed and again.deregister == [] and led.parked(1) == [A]
+    led.deregistered(1, led.parked(1))  # the fence deregisters what is parked
+    with pytest.raises(RegionReused):
+        led.acquire(1, [A], "o3")
+    assert led.balanced()
+
+
 def test_an_unexposed_region_may_be_registered_again():
     led = ledger(1)
     led.acquire(1, [A], "o1")

@@ -127,6 +127,7 @@ def test_source_pod_deleted_makes_objects_lost_fetch_fails_clearly_then_cleaned_
     src, reader = pods.workload("src"), pods.workload("reader")
     src.run("ref = client.put([torch.ones(4096)], name='activations')")
     shared = src.eval_pickle("client.share(ref, 'reader')")
+    src.run("client.flush()")  # recorded (a source dying inside the write window leaves nothing: docs/write-behind.md)
     reader.run(f"h = client.adopt(load_pickle({shared!r}))")
     pods.delete_pod("src")  # the process dies with its pod, and its memory with it
     lost = wait_object(gpuobj_cluster, namespace, "activations", lambda o: state(o) == "Lost")

@@ -82,13 +82,14 @@ def test_an_api_outage_slows_puts_with_a_clear_error_and_loses_no_write(
 ) -> None:
     proxy = TcpProxy(*server_address(gpuobj_cluster.kubeconfig)).up()
     try:
-        env = {
-            "KUBECONFIG": str(proxy.kubeconfig(gpuobj_cluster.kubeconfig, tmp_path / "via-proxy")),
+        pods.workload("src")  # its pod and ServiceAccount credentials; then the process again, through the proxy
+        pods.extra_env["src"] = {
+            "KUBECONFIG": str(proxy.kubeconfig(pods.credentials["src"].kubeconfig, tmp_path / "via-proxy")),
             "GPUOBJ_WRITE_WINDOW": "0",  # record everything: no elision here
             "GPUOBJ_MAX_PENDING_WRITES": "4",
             "GPUOBJ_BACKPRESSURE_TIMEOUT": "1",
         }
-        src = pods.workload("src", env)
+        src = pods.restart_process("src")
         src.run("refs = [client.put([torch.ones(1024)], name=f'kept-{i}') for i in range(2)]; client.flush()")
         proxy.down()  # the API server is gone, for this client only
         src.run("refs += [client.put([torch.ones(1024)], name=f'kept-{i}') for i in range(2, 4)]")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from pathlib import Path
 
@@ -31,8 +32,23 @@ def metric(endpoint: str, name: str, labels: dict[str, str] | None = None) -> fl
     return total
 
 
-def assert_holds_nothing(endpoint: str, token_file: Path) -> None:
-    """The end of every scenario: no object, no registered byte, registrations balanced."""
+def assert_holds_nothing(endpoint: str, token_file: Path, timeout: float = 15.0) -> None:
+    """The end of every scenario: no object, no registered byte, registrations balanced.
+
+    Waits (bounded) for pending fences: a freed region a reader was granted stays registered,
+    parked, until its NIXL agent is retired (within the agent's fence interval)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            _holds_nothing(endpoint, token_file)
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def _holds_nothing(endpoint: str, token_file: Path) -> None:
     held = inventory(endpoint, token_file)["objects"]
     assert held == [], f"agent {endpoint} still holds {held}"
     assert metric(endpoint, "gpuobj_agent_nixl_registered_bytes") == 0
