@@ -559,7 +559,8 @@ class Node:
             _stop(pid, 5)
         # 3. Mounts: network namespaces, pod volumes (tokens), container rootfs.
         for point in mounts_under(RUN_DIR, self.dir, CONTAINERD_ROOT):
-            forced.append(f"mount {point}")
+            if point != str(self.kubelet_root):  # the kubelet bind-mounts its own root dir: expected
+                forced.append(f"mount {point}")
             subprocess.run(["umount", "--lazy", point], capture_output=True)
         # 4. Links: veths on our bridge, then the bridge.
         for link in _links_on_bridge():
