@@ -511,5 +511,9 @@ class DevCluster:
             pid = state.pids.get(name)
             alive = "running" if pid and _pid_alive(pid) else "stopped"
             lines.append(f"  {name:24} pid {pid}  {alive}  log {self.logs / (name + '.log')}")
+        node_state = self.node().load() if state.node else None
+        for name, pid in (node_state.pids if node_state else {}).items():
+            alive = "running" if _pid_alive(pid) else "stopped"
+            lines.append(f"  {name:24} pid {pid}  {alive}  log {self.logs / (name + '.log')}")
         lines.append(f"  kubeconfig {self.kubeconfig}")
         return lines

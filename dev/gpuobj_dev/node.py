@@ -312,8 +312,10 @@ class Node:
         )
         self._save(state)
         self._network_up(state)
+        wanted = [images.PAUSE_IMAGE, *(images.TARGETS[t] for t in targets)]
+        self._drop_stale_store(wanted)
         self._start_containerd(state, timeout)
-        self.load_images([images.PAUSE_IMAGE, *(images.TARGETS[t] for t in targets)])
+        self.load_images(wanted)
         self._write_node_credentials(cluster, cluster_state)
         self._start_scheduler(cluster, state)
         self._start_kubelet(cluster, state)
@@ -383,12 +385,28 @@ class Node:
             "containerd",
         )
 
+    @staticmethod
+    def _marker(name: str) -> Path:
+        return CACHE_DIR / "loaded" / name.replace("/", "_")
+
+    def _drop_stale_store(self, names: list[str]) -> None:
+        """A fresh containerd store when any image changed since it was loaded: containerd (stopped between
+        runs) leaves the old 6 GB agent snapshots on disk, so replacing images in place grows without bound."""
+        current = {n: images.podman("image", "inspect", "--format", "{{.Digest}}", n).strip() for n in names}
+        if all(self._marker(n).is_file() and self._marker(n).read_text() == d for n, d in current.items()):
+            return
+        if mounts_under(CONTAINERD_ROOT):
+            raise NodeError(f"{CONTAINERD_ROOT} still has mounts: another dev node runs, or `dev-cluster down` it")
+        shutil.rmtree(CONTAINERD_ROOT, ignore_errors=True)
+        shutil.rmtree(CACHE_DIR / "loaded", ignore_errors=True)
+        CONTAINERD_ROOT.mkdir(parents=True)
+
     def load_images(self, names: list[str]) -> None:
         """Import the locally built images into containerd's k8s.io namespace (skipped when already there)."""
         present = self.ctr("images", "ls", "-q", timeout=60).split()
         for name in names:
             podman_id = images.podman("image", "inspect", "--format", "{{.Digest}}", name).strip()
-            marker = CACHE_DIR / "loaded" / name.replace("/", "_")
+            marker = self._marker(name)
             if name in present and marker.is_file() and marker.read_text() == podman_id:
                 continue
             started = time.monotonic()
@@ -541,7 +559,8 @@ class Node:
             _stop(pid, 5)
         # 3. Mounts: network namespaces, pod volumes (tokens), container rootfs.
         for point in mounts_under(RUN_DIR, self.dir, CONTAINERD_ROOT):
-            forced.append(f"mount {point}")
+            if point != str(self.kubelet_root):  # the kubelet bind-mounts its own root dir: expected
+                forced.append(f"mount {point}")
             subprocess.run(["umount", "--lazy", point], capture_output=True)
         # 4. Links: veths on our bridge, then the bridge.
         for link in _links_on_bridge():
