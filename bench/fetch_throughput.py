@@ -215,17 +215,22 @@ def main(argv: list[str] | None = None) -> int:
         src = AgentProcess("bench-src", workload=True, workdir=tmp, issuer=issuer).start()
         reader_token = issuer.token(f"{src.namespace}/default", pod=("bench-dst", "bench-dst-uid"))
         token_file.write_text(reader_token)
-        rt = AgentRuntime(
-            AgentConfig(
-                pod_name="bench-dst",
-                namespace=src.namespace,
-                host="127.0.0.1",
-                port=0,
-                token_file=str(token_file),
-                issuer_url=issuer.url,
-                operator_service_accounts=(OPERATOR,),
-            )
-        ).start()
+        try:
+            rt = AgentRuntime(
+                AgentConfig(
+                    pod_name="bench-dst",
+                    namespace=src.namespace,
+                    host="127.0.0.1",
+                    port=0,
+                    token_file=str(token_file),
+                    issuer_url=issuer.url,
+                    operator_service_accounts=(OPERATOR,),
+                )
+            ).start()
+        except BaseException:
+            src.kill()  # nothing may outlive the benchmark
+            src.close()
+            raise
         rows = []
         try:
             for nbytes in sizes:
