@@ -220,18 +220,23 @@ def main(argv: list[str] | None = None) -> int:
         ).start()
         reader_token = issuer.token(f"{src.namespace}/default", pod=("bench-dst", "bench-dst-uid"))
         token_file.write_text(reader_token)
-        rt = AgentRuntime(
-            AgentConfig(
-                pod_name="bench-dst",
-                namespace=src.namespace,
-                host="127.0.0.1",
-                port=0,
-                token_file=str(token_file),
-                issuer_url=issuer.url,
-                operator_service_accounts=(OPERATOR,),
-                allow_cma=True,
-            )
-        ).start()
+        try:
+            rt = AgentRuntime(
+                AgentConfig(
+                    pod_name="bench-dst",
+                    namespace=src.namespace,
+                    host="127.0.0.1",
+                    port=0,
+                    token_file=str(token_file),
+                    issuer_url=issuer.url,
+                    operator_service_accounts=(OPERATOR,),
+                    allow_cma=True,
+                )
+            ).start()
+        except BaseException:
+            src.kill()  # nothing may outlive the benchmark
+            src.close()
+            raise
         rows = []
         try:
             for nbytes in sizes:
