@@ -33,8 +33,13 @@ from tests.operator.conftest import start_operator
 # What Kubernetes service discovery would attach to the operator's target (see scrape.py).
 OPERATOR_TARGET_LABELS = {"namespace": "gpuobj-system", "pod": "gpuobj-operator-0"}
 
-# Operator panels that this scenario cannot fill: a leak needs an agent that answers its inventory.
-EMPTY_WITHOUT_AGENTS = {"Leaked bytes by namespace and pod", "Reclaimed bytes by namespace"}
+# Operator panels that this scenario cannot fill: a leak (and the part of it held by gone holders) needs an
+# agent that answers its inventory.
+EMPTY_WITHOUT_AGENTS = {
+    "Leaked bytes by namespace and pod",
+    "Reclaimed bytes by namespace",
+    "Leaked bytes held by gone holders",
+}
 
 
 def is_agent_query(expr: str) -> bool:
