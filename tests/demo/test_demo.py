@@ -40,7 +40,7 @@ def test_quick_demo_runs_end_to_end_and_leaves_nothing_behind(tmp_path: Path) ->
         [
             sys.executable,
             "-m",
-            "gpuobj.cli",
+            "gpuobj_dev.cli",
             "demo",
             "--quick",
             "--state-dir",
