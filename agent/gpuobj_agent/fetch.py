@@ -259,18 +259,20 @@ class Fetcher:
             self._grant_cache[key] = (grant, parsed)  # holds the grant: its id cannot be reused meanwhile
         return parsed
 
+    @staticmethod
     def _parse_grant(
-        self, endpoint: str, grant: dict[str, Any]
+        endpoint: str, grant: dict[str, Any], what: str = "read grant"
     ) -> tuple[list[TensorLayout], list[Span | None], str, bytes]:
+        """Layouts, spans, NIXL agent name and metadata of a read grant or ticket (same shape), checked."""
         try:
-            layouts = [TensorLayout.from_json(t) for t in grant["tensors"]]
+            layouts = [parse_layout(t) for t in grant["tensors"]]
             spans = [_span(s) for s in grant["spans"]]
             agent = grant["nixlAgent"]
             metadata = base64.b64decode(grant["agentMetadata"]) if any(spans) else b""
         except (KeyError, TypeError, ValueError, AgentError) as exc:
-            raise FetchError(f"source {endpoint} sent a malformed read grant: {exc}") from None
+            raise FetchError(f"source {endpoint} sent a malformed {what}: {exc}") from None
         if len(layouts) != len(spans) or not isinstance(agent, str):
-            raise FetchError(f"source {endpoint} sent a malformed read grant")
+            raise FetchError(f"source {endpoint} sent a malformed {what}")
         for s, layout in zip(spans, layouts, strict=True):
             if s is not None and s.nbytes != layout.nbytes:
                 raise FetchError(f"source {endpoint} sent a span of {s.nbytes} bytes for a {layout.nbytes}-byte tensor")
@@ -280,21 +282,13 @@ class Fetcher:
         self, endpoint: str, ticket: dict[str, Any], device: str, deadline: float
     ) -> tuple[list[torch.Tensor], bool]:
         """Allocate, load the metadata and READ (on a transfer thread); returns (tensors, end notified)."""
+        layouts, spans, agent, metadata = self._parse_grant(endpoint, ticket, "read ticket")
         try:
-            layouts = [parse_layout(t) for t in ticket["tensors"]]
-            spans = [_span(s) for s in ticket["spans"]]
-            agent = ticket["nixlAgent"]
-            metadata = base64.b64decode(ticket["agentMetadata"]) if any(spans) else b""
             live = set(ticket.get("liveAgents") or ())
             incarnation = str(ticket.get("incarnation") or "")
             read_id = str(ticket.get("readId") or "")  # none for a grant: no ticket to end
-        except (KeyError, TypeError, ValueError, AgentError) as exc:
+        except (TypeError, ValueError) as exc:
             raise FetchError(f"source {endpoint} sent a malformed read ticket: {exc}") from None
-        if len(layouts) != len(spans) or not isinstance(agent, str):
-            raise FetchError(f"source {endpoint} sent a malformed read ticket")
-        for s, layout in zip(spans, layouts, strict=True):
-            if s is not None and s.nbytes != layout.nbytes:
-                raise FetchError(f"source {endpoint} sent a span of {s.nbytes} bytes for a {layout.nbytes}-byte tensor")
         forget = self._note_source(endpoint, incarnation, live, agent if any(spans) else None)
         abort = threading.Event()
         loop = asyncio.get_running_loop()
