@@ -35,7 +35,7 @@ RUN_ROOT = Path("/run/gpuobj-images")
 ROOTFS_TAR = IMAGES_ROOT / "bookworm-minbase.tar"
 DEBIAN_MIRROR = os.environ.get("GPUOBJ_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 
-# The names the Dockerfile's FROM lines use (its ARG defaults); tests/deploy/test_images.py checks they agree.
+# The names the Dockerfile's FROM lines use (its ARG defaults); tests/e2e/node/test_images.py checks they agree.
 PYTHON_IMAGE = "docker.io/library/python:3.11.14-slim-bookworm"
 CUDA_IMAGE = "docker.io/nvidia/cuda:13.2.0-runtime-ubuntu24.04"
 MINBASE_IMAGE = "localhost/gpuobj-standin/bookworm-minbase:12"

@@ -131,7 +131,7 @@ class OperatorSupervisor:
 
 
 class PodSet(Protocol):
-    """Workload pods as the tests make them (tests/operator/conftest.py ``Pods``): a Pod object plus a
+    """Workload pods as the tests make them (tests/e2e/operator/conftest.py ``Pods``): a Pod object plus a
     process running the client library, as the identity the tests run workloads as."""
 
     workloads: dict[str, WorkloadProcess]

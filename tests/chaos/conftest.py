@@ -1,3 +1,0 @@
-"""The chaos suite shares the operator tests' fixtures: a namespace, the agents' token, workload pods."""
-
-from tests.operator.conftest import namespace, operator_identity, pods, token_file  # noqa: F401

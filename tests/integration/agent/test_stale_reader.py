@@ -1,0 +1,134 @@
+"""Stale readers: a raw NIXL process keeps a freed object's old metadata and reads again.
+
+Over each UCX transport the agent may run on (the default selection, which uses cma for
+same-node reads, and UCX_TLS=tcp, where a read of freed memory would SIGSEGV the
+source), the stale read must fail cleanly and the source must stay up and keep serving.
+
+The reader runs with NIXL's default progress thread, or with none. One combination has a
+measured limit (see fencing.py): over cma, a reader with no progress thread whose first
+action after the fence is a new READ performs that one read against whatever the address
+holds now (cma reads the source's memory with process_vm_readv, without the source);
+it learns of the fence while polling that read, and every read after it fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import select
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpuobj_agent.layouts import TensorLayout
+from gpuobj_dev.testing.agent_workload import make_tensors
+
+from .conftest import settle
+
+pytestmark = pytest.mark.nixl
+
+TRANSPORTS = {"default": {}, "tcp": {"UCX_TLS": "tcp"}}
+
+
+class RawReader:
+    """tests/integration/agent/raw_reader.py in a subprocess, driven by JSON lines with a timeout on every answer."""
+
+    def __init__(self, name: str, env: dict[str, str], progress: str) -> None:
+        script = Path(__file__).with_name("raw_reader.py")
+        full_env = {k: v for k, v in os.environ.items() if k != "UCX_TLS"} | env
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), name, progress],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=full_env,
+            text=True,
+        )
+
+    def call(self, timeout: float = 60.0, **cmd) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        while True:
+            ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+            if not ready:
+                raise AssertionError(f"raw reader did not answer {cmd['op']} within {timeout:g}s (wedged?)")
+            line = self.proc.stdout.readline()
+            if not line:
+                raise AssertionError(f"raw reader died (exit {self.proc.wait()})")
+            if line.startswith("@@"):
+                return json.loads(line[2:])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+
+def raw_sha(layout: TensorLayout, seed: int) -> str:
+    [t] = make_tensors([layout], seed)
+    return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("transport", "progress"), [("default", "thread"), ("tcp", "thread"), ("tcp", "none"), ("default", "none")]
+)
+def test_a_stale_reader_gets_a_clean_error_and_the_source_keeps_serving(make_process, transport, progress):
+    env = TRANSPORTS[transport]
+    src = make_process("src", workload=True, env=env)
+    objects = {  # a heap-sized tensor (its pages stay mapped after free) and an mmap-sized one
+        "small": (TensorLayout((4096,), "uint8", "cpu"), 1),
+        "big": (TensorLayout((64 << 20,), "uint8", "cpu"), 2),
+        "other": (TensorLayout((4096,), "uint8", "cpu"), 3),
+    }
+    for oid, (layout, seed) in objects.items():
+        status, body = src.request("POST", "/v1/test/put", {"id": oid, "tensors": [layout.to_json()], "seed": seed})
+        assert status == 200, body
+    reader = RawReader(f"raw-{transport}-{progress}", env, progress)
+    try:
+        old = {}
+        for oid in ("small", "big"):
+            status, ticket = src.request("POST", f"/v1/objects/{oid}/reads", {"reader": "raw"})
+            assert status == 200, ticket
+            assert reader.call(op="load", metadata=ticket["agentMetadata"])["ok"]
+            got = reader.call(
+                op="read", agent=ticket["nixlAgent"], descriptors=ticket["descriptors"], nbytes=ticket["bytes"]
+            )
+            assert got == {"ok": True, "sha256": raw_sha(*objects[oid])}
+            assert src.request("DELETE", f"/v1/reads/{ticket['readId']}")[1]["valid"]
+            old[oid] = ticket  # the reader keeps this metadata and these descriptors
+
+        for oid in ("small", "big"):
+            status, freed = src.request("POST", f"/v1/objects/{oid}/free", {"waitFence": True})
+            assert status == 200 and freed["freed"] and freed["fenced"], freed
+        info = src.request("GET", "/v1/info")[1]
+        assert old["small"]["nixlAgent"] not in info["nixlAgents"]
+
+        first = True
+        for oid in ("small", "big", "small", "big"):
+            stale = reader.call(
+                op="read", agent=old[oid]["nixlAgent"], descriptors=old[oid]["descriptors"], nbytes=old[oid]["bytes"]
+            )
+            if first and (transport, progress) == ("default", "none"):
+                first = False  # the measured cma limit: this one read may complete (the source is never harmed)
+                assert src.alive()
+                continue
+            assert not stale["ok"] and "NIXL_ERR" in stale["error"], stale
+
+        assert src.alive() and src.request("GET", "/readyz", auth=False)[0] == 200
+        status, ticket = src.request("POST", "/v1/objects/other/reads", {"reader": "raw"})
+        assert status == 200, ticket
+        assert reader.call(op="load", metadata=ticket["agentMetadata"])["ok"]
+        got = reader.call(
+            op="read", agent=ticket["nixlAgent"], descriptors=ticket["descriptors"], nbytes=ticket["bytes"]
+        )
+        assert got == {"ok": True, "sha256": raw_sha(*objects["other"])}
+        src.request("DELETE", f"/v1/reads/{ticket['readId']}")
+        assert src.request("POST", "/v1/objects/other/free", {"waitFence": True})[1]["fenced"]
+    finally:
+        reader.close()
+    settle(src.stats)

@@ -1,0 +1,196 @@
+"""The write-behind queue's decisions: elision, order, backpressure, retries, refusals.
+
+A scripted stand-in for the API server answers here (pure logic); the end-to-end tests in
+tests/e2e/operator/test_write_behind.py run the same code against the real API server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from gpuobj.client.writebehind import WriteBehind, WriteBehindFullError
+from gpuobj_kube.client import Invalid
+
+
+class ScriptedApi:
+    """Records every write; `down` makes each call fail like a refused connection."""
+
+    def __init__(self, jitter: float = 0.0) -> None:
+        self.calls: list[tuple[str, str, str]] = []
+        self.down = False
+        self.refuse_creates = False
+        self.jitter = jitter
+        self.uids = 0
+
+    async def _pause(self) -> None:
+        await asyncio.sleep(random.random() * self.jitter)
+        if self.down:
+            raise ConnectionRefusedError("connection refused")
+
+    async def create(self, res, body, namespace):
+        await self._pause()
+        if self.refuse_creates:
+            raise Invalid(422, "Invalid", "refused")
+        self.uids += 1
+        self.calls.append(("create", res.plural, body["metadata"]["name"]))
+        return {"metadata": {"name": body["metadata"]["name"], "uid": f"u{self.uids}"}, "spec": body["spec"]}
+
+    async def delete(self, res, name, namespace, uid=None):
+        await self._pause()
+        self.calls.append(("delete", res.plural, name))
+        return {}
+
+    async def get(self, res, name, namespace):  # pragma: no cover - only after a lost answer
+        raise AssertionError("not expected")
+
+
+def body(name: str, spec: dict | None = None) -> dict:
+    return {"metadata": {"name": name}, "spec": spec or {"objectId": name}}
+
+
+def claim_body(name: str, obj: str) -> dict:
+    return {"metadata": {"name": name}, "spec": {"objectName": obj, "holder": {"podName": "r"}}}
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_an_object_whose_life_fits_in_the_window_is_never_written_and_is_freed_by_the_caller() -> None:
+    async def go():
+        api, freed = ScriptedApi(), []
+        wb = WriteBehind(api, free_local=freed.append, window=5.0)
+        await wb.create_object("ns", "o", body("o"), "oid-1")
+        await wb.create_claim("ns", "o", "c", claim_body("c", "o"))
+        assert wb.release("object", "ns", "o").free_object_id is None  # the hand-off still holds it
+        out = wb.release("claim", "ns", "c")
+        assert out.elided and out.free_object_id == "oid-1"
+        await wb.flush(5)
+        assert api.calls == [] and wb.pending_writes == 0 and wb.families == {}
+        await wb.close()
+
+    run(go())
+
+
+def test_a_hand_off_is_created_before_the_senders_release_and_the_claim_pins_the_uid() -> None:
+    async def go():
+        api = ScriptedApi()
+        wb = WriteBehind(api, free_local=lambda _: None, window=0.01)
+        obj = await wb.create_object("ns", "o", body("o"), "oid")
+        claim_spec = claim_body("c", "o")
+        await wb.create_claim("ns", "o", "c", claim_spec)
+        wb.release("object", "ns", "o")  # inside the window, but the receiver's claim lives on
+        await wb.flush(5)
+        assert api.calls == [
+            ("create", "gpuobjects", "o"),
+            ("create", "gpuobjectclaims", "c"),
+            ("delete", "gpuobjects", "o"),
+        ]
+        assert claim_spec["spec"]["objectUID"] == obj.uid
+        wb.release("claim", "ns", "c")
+        await wb.flush(5)
+        assert api.calls[-1] == ("delete", "gpuobjectclaims", "c")
+        assert wb.pending_writes == 0 and wb.families == {}
+        await wb.close()
+
+    run(go())
+
+
+def test_order_holds_per_object_under_concurrency() -> None:
+    async def go():
+        api = ScriptedApi(jitter=0.003)
+        wb = WriteBehind(api, free_local=lambda _: None, window=0.0, concurrency=8)
+
+        async def life(i: int) -> None:
+            await wb.create_object("ns", f"o{i}", body(f"o{i}"), f"id{i}")
+            await wb.create_claim("ns", f"o{i}", f"c{i}", claim_body(f"c{i}", f"o{i}"))
+            await asyncio.sleep(random.random() * 0.01)
+            wb.release("object", "ns", f"o{i}")
+            await asyncio.sleep(random.random() * 0.01)
+            wb.release("claim", "ns", f"c{i}")
+
+        await asyncio.gather(*(life(i) for i in range(60)))
+        await wb.flush(10)
+        for i in range(60):
+            mine = [c for c in api.calls if c[2] in (f"o{i}", f"c{i}")]
+            if mine:  # some families may have been elided entirely; a sent family is complete and ordered
+                assert mine[:2] == [("create", "gpuobjects", f"o{i}"), ("create", "gpuobjectclaims", f"c{i}")]
+                assert sorted(mine[2:]) == [("delete", "gpuobjectclaims", f"c{i}"), ("delete", "gpuobjects", f"o{i}")]
+        assert wb.pending_writes == 0 and wb.families == {}
+        await wb.close()
+
+    run(go())
+
+
+def test_an_outage_applies_backpressure_with_a_clear_error_and_loses_no_write() -> None:
+    async def go():
+        api = ScriptedApi()
+        api.down = True
+        wb = WriteBehind(api, free_local=lambda _: None, window=0.0, max_pending=3, backpressure_timeout=0.3)
+        for i in range(3):
+            await wb.create_object("ns", f"o{i}", body(f"o{i}"), f"id{i}")
+        with pytest.raises(WriteBehindFullError, match=r"3 API writes are waiting.*ConnectionRefusedError"):
+            await wb.create_object("ns", "o3", body("o3"), "id3")
+        for i in range(3):  # releases are never refused, even when full
+            wb.release("object", "ns", f"o{i}")
+        assert wb.pending_writes == 6 and wb.counts["retries"] > 0
+        api.down = False
+        await wb.flush(10)
+        expected = [(verb, "gpuobjects", f"o{i}") for verb in ("create", "delete") for i in range(3)]
+        assert sorted(api.calls) == sorted(expected)
+        assert wb.pending_writes == 0 and wb.families == {}
+        await wb.close()
+
+    run(go())
+
+
+def test_a_create_the_api_refuses_frees_the_bytes_and_says_why() -> None:
+    async def go():
+        api, freed = ScriptedApi(), []
+
+        async def free(object_id: str) -> None:
+            freed.append(object_id)
+
+        api.refuse_creates = True
+        wb = WriteBehind(api, free_local=free, window=0.0)
+        rec = await wb.create_object("ns", "o", body("o"), "oid")
+        await wb.flush(5)
+        assert freed == ["oid"] and rec.failed is not None and "refused" in str(rec.failed)
+        wb.release("object", "ns", "o")
+        await wb.flush(5)
+        assert wb.pending_writes == 0 and wb.families == {}
+        await wb.close()
+
+    run(go())
+
+
+def test_a_release_refused_with_403_is_retried_until_it_lands() -> None:
+    """An API server that has just restarted answers 403 until its RBAC cache is filled (chaos suite)."""
+    from gpuobj_kube.client import ApiError
+
+    class ForbiddenAtFirst(ScriptedApi):
+        def __init__(self) -> None:
+            super().__init__()
+            self.forbidden = 3
+
+        async def delete(self, res, name, namespace, uid=None):
+            if self.forbidden:
+                self.forbidden -= 1
+                raise ApiError(403, "Forbidden", 'clusterrole "gpuobj-workload" not found')
+            return await super().delete(res, name, namespace, uid)
+
+    async def go():
+        api = ForbiddenAtFirst()
+        wb = WriteBehind(api, free_local=lambda _: None, window=0.0)
+        await wb.create_object("ns", "o", body("o"), "oid-1")
+        await wb.flush(5)
+        wb.release("object", "ns", "o")
+        await wb.flush(10)
+        assert api.calls == [("create", "gpuobjects", "o"), ("delete", "gpuobjects", "o")]
+        assert wb.pending_writes == 0 and wb.counts["failed"] == 0
+        await wb.close()
+
+    run(go())
