@@ -10,6 +10,13 @@ Nothing is freed on stale knowledge: an incarnation the operator never saw alive
 made before this operator started) is judged only by a probe sent after the operator
 learned of the record, since that record's process then certainly came first. A probe that
 times out (a stopped or overloaded process) proves nothing and only backs off.
+
+A claim made by ``share()`` without the receiver's incarnation names only the receiver pod. It is
+scoped to the receiver process that was alive when it was made: the first incarnation that a probe
+started after the operator learned of the claim found answering (``scoped_incarnation``). That
+process was alive after the claim existed, so a live receiver that simply has not adopted its
+reference yet keeps it; if the process that really was meant is an older one (it died before the
+probe), the claim is scoped to its successor and waits, as before, for that one or the pod to go.
 """
 
 from __future__ import annotations
@@ -28,6 +35,11 @@ class AgentState:
     refusals: int = 0  # consecutive refusals
     failures: int = 0  # consecutive probes that proved nothing (timeouts, errors)
     dead: set[str] = field(default_factory=set)  # incarnations seen alive, then replaced or gone
+    # Incarnations in the order they answered: [incarnation, start of the last probe it answered].
+    answered: list[list] = field(default_factory=list)
+
+
+HISTORY = 16  # incarnations remembered per pod for scoping; older ones only make a scope newer (safe)
 
 
 @dataclass
@@ -50,6 +62,11 @@ class Liveness:
         state.incarnation, state.gone = incarnation, False
         state.refusals = state.failures = 0
         state.judged_at = max(state.judged_at, probe_started)
+        if state.answered and state.answered[-1][0] == incarnation:
+            state.answered[-1][1] = max(state.answered[-1][1], probe_started)
+        else:
+            state.answered.append([incarnation, probe_started])
+            del state.answered[:-HISTORY]
         return changed
 
     def observe_refused(self, pod: Key, pod_uid: str, probe_started: float) -> bool:
@@ -95,6 +112,22 @@ class Liveness:
         if state.gone:
             return f"agent process {incarnation} of pod {pod[1]} is gone (nothing listens at its address)"
         return f"agent process {incarnation} of pod {pod[1]} was replaced by {state.incarnation} (container restart)"
+
+    def scoped_incarnation(self, pod: Key, pod_uid: str | None, learned_at: float) -> str | None:
+        """The incarnation a record that names only this pod belongs to: the first one that answered a
+        probe started after ``learned_at`` (when the operator first saw the record). None until then.
+
+        Why that one: it was alive after the record existed, so it is the record's process or a later
+        one, never an earlier one; a later one only keeps the record longer (the old, pod-scoped rule).
+        Decided from the probes' history, so it does not change when it is asked again later.
+        """
+        state = self.agents.get(pod)
+        if state is None or (pod_uid and state.pod_uid != pod_uid):
+            return None
+        for incarnation, last_answered in state.answered:
+            if last_answered > learned_at:
+                return incarnation
+        return None
 
     def probe_delay(self, pod: Key, interval: float, max_backoff: float) -> float:
         """Seconds until the next probe: quick while confirming a refusal, backing off while failing or gone."""

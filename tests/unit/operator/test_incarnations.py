@@ -84,6 +84,42 @@ def test_probes_back_off_while_failing_or_gone_and_confirm_refusals_quickly() ->
     assert live.probe_delay(SRC, 1.0, 8.0) == 8.0
 
 
+def test_a_share_is_scoped_to_the_first_process_that_answered_after_the_operator_heard_of_it() -> None:
+    live = Liveness()
+    live.observe_alive(READER, "u1", "r-1", probe_started=1.0)
+    # The claim was learned at t=1.5: the probe of t=1.0 predates it and decides nothing.
+    assert live.scoped_incarnation(READER, "u1", learned_at=1.5) is None
+    live.observe_alive(READER, "u1", "r-1", probe_started=2.0)
+    assert live.scoped_incarnation(READER, "u1", learned_at=1.5) == "r-1"
+    # Alive and slow to adopt: nothing says r-1 is dead.
+    assert live.incarnation_dead(READER, "u1", "r-1", learned_at=1.5) is None
+    live.observe_alive(READER, "u1", "r-2", probe_started=3.0)
+    # Asked again after the restart: still r-1 (decided from the probes' history), and r-1 is dead.
+    assert live.scoped_incarnation(READER, "u1", learned_at=1.5) == "r-1"
+    assert "replaced by r-2" in live.incarnation_dead(READER, "u1", "r-1", learned_at=1.5)
+    # A share learned after r-2 answered belongs to r-2, never to the dead r-1.
+    assert live.scoped_incarnation(READER, "u1", learned_at=2.5) == "r-2"
+
+
+def test_a_share_whose_process_died_before_any_probe_is_scoped_to_its_successor() -> None:
+    live = Liveness()
+    live.observe_alive(READER, "u1", "r-1", probe_started=1.0)
+    live.observe_refused(READER, "u1", 2.0)
+    live.observe_refused(READER, "u1", 3.0)  # gone: nothing to scope to yet
+    assert live.scoped_incarnation(READER, "u1", learned_at=1.5) is None
+    live.observe_alive(READER, "u1", "r-2", probe_started=4.0)
+    # r-1 may have been the holder, but the operator cannot know it: the later process keeps it (safe).
+    assert live.scoped_incarnation(READER, "u1", learned_at=1.5) == "r-2"
+
+
+def test_a_share_for_another_pod_of_the_same_name_is_not_scoped_on_the_old_pods_probes() -> None:
+    live = Liveness()
+    live.observe_alive(READER, "u1", "r-1", probe_started=2.0)
+    assert live.scoped_incarnation(READER, "u2", learned_at=1.0) is None
+    live.observe_alive(READER, "u2", "r-9", probe_started=3.0)
+    assert live.scoped_incarnation(READER, "u2", learned_at=1.0) == "r-9"
+
+
 def test_claim_of_a_dead_holder_process_is_deleted_with_the_process_named() -> None:
     ledger = synced_ledger(pod(), reader_pod(), obj(), claim(holder_pod="reader", holder_incarnation="r-1"))
     ledger.liveness.observe_alive(READER, "pod-uid-r", "r-1", probe_started=1.0)
