@@ -15,9 +15,11 @@ writes and return; the queue sends them in the background. What must still hold:
   the agent's inventory and metrics like any object, so the audit saw its bytes.
 - Never drop a write. Failures that may pass (connection refused, timeouts, 5xx, 429) are
   retried with backoff, in order, until the write lands or the process exits. A create the
-  API refuses for good (400/403/422) fails its family: the caller frees the bytes (nothing
-  can reference them) and the handle says so. A delete (a release) is retried whatever the
-  refusal: an API server that has just restarted answers 403 until its RBAC cache is filled.
+  API refuses for good (400/422, or a 403 that lasts `forbidden_grace` seconds) fails its
+  family: the caller frees the bytes (nothing can reference them) and the handle says so.
+  An API server that has just restarted answers 403 until its RBAC cache is filled, so a
+  create refused with 403 is retried for a short while, and a delete (a release) is retried
+  whatever the refusal.
 - Bounded memory and backpressure: at most `max_pending` writes wait. A create that finds
   the queue full waits for room, and after `backpressure_timeout` raises
   WriteBehindFullError naming the last API error. Releases are never refused (a release is
@@ -37,7 +39,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuobj.client.errors import GpuObjError, NameTakenError
+from gpuobj.client.errors import GpuObjError, NameTakenError, PermissionDeniedError
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, ApiError, Conflict, KubeClient, NotFound
 
 log = logging.getLogger("gpuobj.client.writebehind")
@@ -48,6 +50,9 @@ DEFAULT_CONCURRENCY = 16
 BACKOFF_START = 0.05
 BACKOFF_MAX = 2.0
 PERMANENT = (400, 403, 422)  # the API refuses this write for good: retrying cannot help
+# ... except a 403 for this long: a kube-apiserver that has just restarted refuses every request
+# with 403 until its RBAC informers have synced (about a second; `clusterrole ... not found`).
+FORBIDDEN_GRACE = 10.0
 
 
 class WriteBehindFullError(GpuObjError):
@@ -56,6 +61,10 @@ class WriteBehindFullError(GpuObjError):
 
 class WriteFailedError(GpuObjError):
     """The API server refused to record an object or claim; its bytes were freed."""
+
+
+class WriteForbiddenError(WriteFailedError, PermissionDeniedError):
+    """The API server refused this pod's identity (403) for longer than a restart explains."""
 
 
 @dataclass(eq=False)
@@ -130,6 +139,7 @@ class WriteBehind:
         max_pending: int = DEFAULT_MAX_PENDING,
         concurrency: int = DEFAULT_CONCURRENCY,
         backpressure_timeout: float = 30.0,
+        forbidden_grace: float = FORBIDDEN_GRACE,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kube = kube
@@ -137,6 +147,7 @@ class WriteBehind:
         self.window = window
         self.max_pending = max_pending
         self.backpressure_timeout = backpressure_timeout
+        self.forbidden_grace = forbidden_grace
         self.clock = clock
         self.families: dict[tuple[str, str], Family] = {}
         self._index: dict[tuple[str, str, str], Family] = {}  # (kind, namespace, name) -> family
@@ -331,6 +342,7 @@ class WriteBehind:
 
     async def _send_retrying(self, fam: Family, w: Write) -> bool:
         delay = BACKOFF_START
+        forbidden_since: float | None = None
         while True:
             try:
                 await self._send(fam, w)
@@ -338,9 +350,9 @@ class WriteBehind:
                 self.failing_since = None
                 return True
             except ApiError as exc:
-                # A release is never given up: a 403 also comes from an API server that has just restarted
-                # and whose RBAC cache is not filled yet (seen in the chaos suite), so deletes keep retrying.
-                if w.verb != "delete" and (exc.status in PERMANENT or (exc.status == 404 and w.verb == "create")):
+                if exc.status == 403 and forbidden_since is None:
+                    forbidden_since = self.clock()
+                if self._refused_for_good(w, exc, forbidden_since):
                     log.error(
                         "gpuobj: the API server refused %s %s %s/%s: %s",
                         w.verb,
@@ -349,8 +361,15 @@ class WriteBehind:
                         w.record.name,
                         exc,
                     )
-                    fam.failed = w.record.failed = WriteFailedError(
+                    error = WriteForbiddenError if exc.status == 403 else WriteFailedError
+                    fam.failed = w.record.failed = error(
                         f"{w.verb} of {w.record.kind} {w.record.namespace}/{w.record.name} refused: {exc}"
+                        + (
+                            f" (still after {self.forbidden_grace:g}s: bind the pod's ServiceAccount to the gpuobj "
+                            "workload Role, charts/gpuobj or deploy/)"
+                            if exc.status == 403
+                            else ""
+                        )
                     )
                     return False
                 self._note_failure(exc)
@@ -361,6 +380,16 @@ class WriteBehind:
             self.counts["retries"] += 1
             await asyncio.sleep(delay)
             delay = min(delay * 2, BACKOFF_MAX)
+
+    def _refused_for_good(self, w: Write, exc: ApiError, forbidden_since: float | None) -> bool:
+        """Whether retrying ``w`` cannot help. A release is never given up. A 403 may come from an API
+        server that has just restarted (its RBAC cache not filled yet, seen in the chaos suite): a
+        create is retried for ``forbidden_grace`` seconds from its first 403 before it counts."""
+        if w.verb == "delete":
+            return False
+        if exc.status == 403:
+            return forbidden_since is not None and self.clock() - forbidden_since >= self.forbidden_grace
+        return exc.status in PERMANENT or (exc.status == 404 and w.verb == "create")
 
     def _note_failure(self, exc: BaseException) -> None:
         self.last_error = f"{type(exc).__name__}: {exc}"[:300]

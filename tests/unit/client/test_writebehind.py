@@ -194,3 +194,65 @@ def test_a_release_refused_with_403_is_retried_until_it_lands() -> None:
         await wb.close()
 
     run(go())
+
+
+class ForbiddenCreates(ScriptedApi):
+    """Answers creates with 403 the first ``forbidden`` times, as a just-restarted API server does."""
+
+    def __init__(self, forbidden: int) -> None:
+        super().__init__()
+        self.forbidden = forbidden
+        self.refused = 0
+
+    async def create(self, res, body, namespace):
+        from gpuobj_kube.client import ApiError
+
+        if self.forbidden:
+            self.forbidden -= 1
+            self.refused += 1
+            raise ApiError(403, "Forbidden", 'clusterrole "gpuobj-workload" not found')
+        return await super().create(res, body, namespace)
+
+
+def test_a_create_refused_with_403_right_after_an_api_restart_is_retried_and_lands() -> None:
+    async def go():
+        api, freed = ForbiddenCreates(forbidden=3), []
+
+        async def free(object_id: str) -> None:
+            freed.append(object_id)
+
+        wb = WriteBehind(api, free_local=free, window=0.0)
+        rec = await wb.create_object("ns", "o", body("o"), "oid")
+        await wb.flush(10)
+        assert api.refused == 3 and api.calls == [("create", "gpuobjects", "o")]
+        assert rec.created and rec.failed is None and freed == []
+        wb.release("object", "ns", "o")
+        await wb.flush(5)
+        assert wb.pending_writes == 0 and wb.families == {} and wb.counts["failed"] == 0
+        await wb.close()
+
+    run(go())
+
+
+def test_a_403_that_outlasts_the_grace_fails_the_put_as_permission_denied() -> None:
+    from gpuobj import PermissionDeniedError
+    from gpuobj.client.writebehind import WriteFailedError
+
+    async def go():
+        api, freed = ForbiddenCreates(forbidden=10**6), []
+
+        async def free(object_id: str) -> None:
+            freed.append(object_id)
+
+        wb = WriteBehind(api, free_local=free, window=0.0, forbidden_grace=0.3)
+        rec = await wb.create_object("ns", "o", body("o"), "oid")
+        await wb.flush(10)
+        assert api.refused >= 2 and api.calls == []  # retried, then given up
+        assert isinstance(rec.failed, PermissionDeniedError) and isinstance(rec.failed, WriteFailedError)
+        assert "ServiceAccount" in str(rec.failed) and freed == ["oid"]
+        wb.release("object", "ns", "o")
+        await wb.flush(5)
+        assert wb.pending_writes == 0 and wb.families == {}
+        await wb.close()
+
+    run(go())
