@@ -3,8 +3,8 @@
 Why a Lease and not kopf's peering: it is what every Kubernetes controller uses
 (controller-runtime, kube-controller-manager), `kubectl get lease` shows the holder,
 and a standby replica simply waits. A leader that cannot renew before its lease
-expires stops acting (the process exits and is restarted), so two replicas never
-free at the same time.
+expires stops acting, so two replicas never free at the same time; it then tries to
+lead again (main.py), and renews its own lease at once when the API server returns.
 """
 
 from __future__ import annotations
@@ -44,6 +44,41 @@ class LeaseConfig:
     retry_seconds: float = 2.0
 
 
+def may_take(
+    spec: dict, identity: str, now: dt.datetime, default_seconds: int
+) -> tuple[dt.datetime | None, int] | None:
+    """Whether ``identity`` may write the Lease now: None while another replica's lease runs, else the
+    acquireTime to keep (None: a new term starts now) and the leaseTransitions to write.
+
+    Our own lease is renewed whatever its age: after an outage longer than the lease, nobody else
+    took it (a write would have changed the holder), so leading again needs no wait.
+    """
+    holder = spec.get("holderIdentity")
+    renewed = _parse(spec.get("renewTime"))
+    duration = int(spec.get("leaseDurationSeconds") or default_seconds)
+    expired = renewed is None or now > renewed + dt.timedelta(seconds=duration)
+    if holder not in (None, "", identity) and not expired:
+        return None
+    transitions = int(spec.get("leaseTransitions") or 0) + (0 if holder == identity else 1)
+    return (_parse(spec.get("acquireTime")) if holder == identity else None), transitions
+
+
+class Backoff:
+    """Bounded exponential backoff: ``start``, doubling, at most ``cap`` seconds."""
+
+    def __init__(self, start: float, cap: float) -> None:
+        self.start, self.cap = start, cap
+        self._next = start
+
+    def next(self) -> float:
+        delay = self._next
+        self._next = min(self.cap, self._next * 2)
+        return delay
+
+    def reset(self) -> None:
+        self._next = self.start
+
+
 class LeaderElector:
     def __init__(self, kube: KubeClient, config: LeaseConfig) -> None:
         self.kube = kube
@@ -72,15 +107,10 @@ class LeaderElector:
                 return True
             except Conflict:
                 return False
-        spec = lease.get("spec") or {}
-        holder = spec.get("holderIdentity")
-        renewed = _parse(spec.get("renewTime"))
-        duration = int(spec.get("leaseDurationSeconds") or c.lease_seconds)
-        expired = renewed is None or _now() > renewed + dt.timedelta(seconds=duration)
-        if holder not in (None, "", c.identity) and not expired:
+        take = may_take(lease.get("spec") or {}, c.identity, _now(), c.lease_seconds)
+        if take is None:
             return False
-        transitions = int(spec.get("leaseTransitions") or 0) + (0 if holder == c.identity else 1)
-        acquire = _parse(spec.get("acquireTime")) if holder == c.identity else None
+        acquire, transitions = take
         body = {
             "metadata": {"name": c.name, "resourceVersion": lease["metadata"]["resourceVersion"]},
             "spec": self._spec(acquire, transitions),

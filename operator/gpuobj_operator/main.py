@@ -1,7 +1,9 @@
 """`gpuobj operator`: leader election, the initial sync, kopf's watches, workers, audit, metrics.
 
 Order matters for safety: nothing is decided before this replica leads and before
-every kind of state has been listed once (Reconciler.sync).
+every kind of state has been listed once (Reconciler.sync). A leader that loses its
+lease (an API or etcd outage longer than the lease, a pause) stops everything it runs
+and tries to lead again in-process; each term as leader starts from a fresh LIST.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from gpuobj_kube.config import load as load_config
 from gpuobj_operator.agent_client import AgentClient
 from gpuobj_operator.events import EventRecorder
 from gpuobj_operator.informer import Informer
-from gpuobj_operator.leader import LeaderElector, LeaseConfig
+from gpuobj_operator.leader import Backoff, LeaderElector, LeaseConfig
 from gpuobj_operator.metrics import OperatorMetrics
 from gpuobj_operator.reconciler import LABEL_AGENT_SELECTOR, Reconciler
 
@@ -185,7 +187,7 @@ async def run(args: argparse.Namespace) -> int:
     config = load_config(args.kubeconfig)
     kube = KubeClient(config)
     reconciler_box: list[Reconciler] = []
-    metrics = OperatorMetrics(lambda: reconciler_box[0].ledger if reconciler_box else _empty_ledger())
+    metrics = OperatorMetrics(lambda: reconciler_box[-1].ledger if reconciler_box else _empty_ledger())
     health = HealthServer(metrics, args.metrics_host, args.metrics_port)
     port = await health.start()
     print(
@@ -203,21 +205,76 @@ async def run(args: argparse.Namespace) -> int:
             retry_seconds=max(0.5, min(2.0, args.lease_seconds / 6)),
         ),
     )
-    health.state = "standby"
     stop = asyncio.Event()
     _install_signal_handlers(stop)
-    acquire = asyncio.create_task(elector.acquire())
     stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({acquire, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if stop.is_set():
-        acquire.cancel()
-        await health.stop()
-        await kube.close()
-        return 0
-    metrics.leader.set(1)
-    print(f"gpuobj operator: leading as {args.identity}", flush=True)
     agents = AgentClient(Path(args.token_file) if args.token_file else None)
     events = EventRecorder(kube, "gpuobj-operator", args.identity)
+    events.start()
+    rc = 0
+    backoff = Backoff(start=0.5, cap=max(1.0, elector.config.retry_seconds * 2))
+    try:
+        while not stop.is_set():
+            health.state = "standby"
+            metrics.leader.set(0)
+            acquire = asyncio.create_task(elector.acquire())
+            await asyncio.wait({acquire, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if stop.is_set():
+                acquire.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await acquire
+                break
+            metrics.leader.set(1)
+            print(f"gpuobj operator: leading as {args.identity}", flush=True)
+            outcome = await lead(
+                args, config, kube, agents, events, metrics, health, elector, stop, stopping, reconciler_box
+            )
+            if outcome == "stopped":
+                break
+            if outcome == "failed":
+                rc = 1
+                break
+            # Lost the lease (or the API failed the initial sync): nothing acts now. Try to lead again at
+            # once and then with bounded backoff; leading again starts from a fresh LIST, never from
+            # what this process knew before.
+            elector.is_leader = False
+            delay = backoff.next() if outcome == "sync-failed" else 0.0
+            print(f"gpuobj operator: {outcome}; stopped acting, trying to lead again", file=sys.stderr, flush=True)
+            if outcome == "lease-lost":
+                backoff.reset()
+            if delay:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(stopping), timeout=delay)
+    finally:
+        health.state = "stopping"
+        stopping.cancel()
+        metrics.leader.set(0)
+        if rc == 0:
+            await elector.release()
+        await events.stop()
+        await agents.close()
+        await kube.close()
+        await health.stop()
+        print("gpuobj operator: stopped", flush=True)
+    return rc
+
+
+async def lead(
+    args: argparse.Namespace,
+    config: KubeConfig,
+    kube: KubeClient,
+    agents: AgentClient,
+    events: EventRecorder,
+    metrics: OperatorMetrics,
+    health: HealthServer,
+    elector: LeaderElector,
+    stop: asyncio.Event,
+    stopping: asyncio.Task,
+    reconciler_box: list[Reconciler],
+) -> str:
+    """One term as leader: a fresh ledger from a fresh LIST, then kopf's watches, until the lease is
+    lost ("lease-lost"), the process is asked to stop ("stopped") or kopf fails ("failed"). Everything
+    this term started is stopped before it returns, so nothing it knew outlives it."""
     reconciler = Reconciler(
         kube,
         agents,
@@ -234,20 +291,28 @@ async def run(args: argparse.Namespace) -> int:
         namespace=args.namespace,
         allow_agent_host_annotation=args.allow_agent_host_annotation,
     )
-    reconciler_box.append(reconciler)
-    events.start()
+    reconciler_box[:] = [reconciler]
     pods = Informer(kube, PODS, reconciler.on_pod, namespace=args.namespace, label_selector=LABEL_AGENT_SELECTOR)
-    rc = 0
     kopf_stop = asyncio.Event()
     operator: asyncio.Task | None = None
+    # Renew from the start: a sync that outlives the lease must not leave it to lapse.
+    hold = asyncio.create_task(elector.hold())
+    outcome = "stopped"
     try:
-        await reconciler.sync()
+        sync = asyncio.create_task(reconciler.sync())
+        await asyncio.wait({sync, hold, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not sync.done():
+            sync.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await sync
+            return "lease-lost" if hold.done() else "stopped"
+        if sync.exception() is not None:
+            log.warning("initial sync failed: %r", sync.exception())
+            return "sync-failed"
         pods.start()
         reconciler.start()
         health.state = "leading"
         print("gpuobj operator: synced and reconciling", flush=True)
-        # Before kopf starts: kopf cancels, on its way out, the tasks created while it ran.
-        hold = asyncio.create_task(elector.hold())
         kopf_ready = asyncio.Event()
         operator = asyncio.create_task(
             kopf.operator(
@@ -261,38 +326,34 @@ async def run(args: argparse.Namespace) -> int:
             )
         )
         ready_wait = asyncio.create_task(kopf_ready.wait())
-        await asyncio.wait({ready_wait, operator, stopping}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({ready_wait, operator, stopping, hold}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
         ready_wait.cancel()
         # kopf installed its own signal handlers; take them back so that a SIGTERM stops kopf through
         # its stop flag (a clean stop) and lets us release the lease on the way out.
         _install_signal_handlers(stop)
         done, _ = await asyncio.wait({operator, hold, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if hold in done and not hold.cancelled():
-            rc = 1  # lost the lease: stop acting at once
             reason = f": {hold.exception()!r}" if hold.exception() else ""
-            print(f"gpuobj operator: lost leadership{reason}; exiting", file=sys.stderr, flush=True)
+            print(f"gpuobj operator: lost leadership{reason}; stopping acting", file=sys.stderr, flush=True)
+            outcome = "lease-lost"
         elif operator in done and not operator.cancelled() and operator.exception():
-            rc = 1
             log.error("kopf stopped: %r", operator.exception())
-        hold.cancel()
+            outcome = "failed"
+        return outcome
     finally:
-        # Stop acting first, then hand the lease over, then wind down what only reads or reports.
-        health.state = "stopping"
-        stopping.cancel()
+        # Stop acting first, then wind down what only reads.
+        health.state = "standby" if outcome != "stopped" else "stopping"
+        hold.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await hold
         await reconciler.stop()
         await pods.stop()
-        if rc == 0:
-            await elector.release()
         kopf_stop.set()
         if operator is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(operator, timeout=10)
-        await events.stop()
-        await agents.close()
-        await kube.close()
-        await health.stop()
-        print("gpuobj operator: stopped", flush=True)
-    return rc
+        # kopf removes the signal handlers it installed on its way out: ours again.
+        _install_signal_handlers(stop)
 
 
 def _install_signal_handlers(stop: asyncio.Event) -> None:

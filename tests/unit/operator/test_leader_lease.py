@@ -51,3 +51,36 @@ def test_the_lease_is_held_for_a_lease_duration_from_the_start_of_the_last_renew
 
 def test_a_replica_that_never_led_holds_nothing(clock: Clock) -> None:
     assert not elector([]).holds_lease()
+
+
+T0 = leader_mod.dt.datetime(2026, 1, 1, tzinfo=leader_mod.dt.UTC)
+
+
+def lease_spec(holder: str, renewed_ago: float, *, transitions: int = 2, duration: int = 15) -> dict:
+    return {
+        "holderIdentity": holder,
+        "leaseDurationSeconds": duration,
+        "acquireTime": leader_mod._fmt(T0 - leader_mod.dt.timedelta(hours=1)),
+        "renewTime": leader_mod._fmt(T0 - leader_mod.dt.timedelta(seconds=renewed_ago)),
+        "leaseTransitions": transitions,
+    }
+
+
+def test_after_an_outage_longer_than_the_lease_our_own_lease_is_renewed_at_once() -> None:
+    # Nobody wrote the Lease meanwhile (it still names us): leading again needs no wait, and it is the
+    # same term (acquireTime and transitions kept).
+    acquire, transitions = leader_mod.may_take(lease_spec("op-a", renewed_ago=60), "op-a", T0, 15)
+    assert acquire == T0 - leader_mod.dt.timedelta(hours=1) and transitions == 2
+
+
+def test_another_replicas_running_lease_is_never_taken_and_an_expired_one_is() -> None:
+    assert leader_mod.may_take(lease_spec("op-b", renewed_ago=10), "op-a", T0, 15) is None
+    assert leader_mod.may_take(lease_spec("op-b", renewed_ago=16), "op-a", T0, 15) == (None, 3)
+    assert leader_mod.may_take(lease_spec("", renewed_ago=1), "op-a", T0, 15) == (None, 3)  # handed over
+
+
+def test_retries_back_off_to_a_bound_and_start_over_after_a_term() -> None:
+    b = leader_mod.Backoff(start=0.5, cap=4.0)
+    assert [b.next() for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    b.reset()
+    assert b.next() == 0.5
