@@ -133,3 +133,55 @@ def test_a_read_once_hand_off_is_freed_after_its_one_read(
     operator.wait_metric("gpuobj_frees_total", {"result": "freed"}, 1)
     agent_http.assert_holds_nothing(pods.endpoint("src"), token_file)
     assert_api_empty(gpuobj_cluster, namespace)
+
+
+def test_a_share_made_without_the_receivers_process_dies_with_the_process_that_adopted_it(
+    gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
+) -> None:
+    """The sender names only the receiver pod. The receiver adopts, reads, and its process is SIGKILLed
+    while the Pod object stays (a container crash): the claim goes with that process, within seconds."""
+    src, reader = pods.workload("src"), pods.workload("reader")
+    incarnation = reader.eval("client.incarnation")
+    src.run("ref = client.put([torch.ones(1 << 14)], name='kv'); client.flush()")
+    shared = src.eval_pickle("client.share(ref, 'reader')")  # no incarnation=: the sender does not know it
+    src.run("client.flush(); ref.release()")
+    reader.run(f"h = client.adopt(load_pickle({shared!r})); got = client.fetch(h)[0]")
+    assert reader.eval("float(got.sum())") == 1 << 14
+    [claim] = kube(gpuobj_cluster, lambda k: k.list(CLAIMS, namespace))["items"]
+    assert claim["spec"]["holder"] == {"podName": "reader"}  # pod-scoped in the API; the operator scopes it
+    wait_object(gpuobj_cluster, namespace, "kv", lambda o: state(o) == "Releasing")
+
+    pods.workloads["reader"].kill()  # the container crashes; the Pod object stays
+    wait_object(gpuobj_cluster, namespace, "kv", lambda o: o is None)
+    [event] = _events(gpuobj_cluster, namespace, "HolderGone")
+    assert event["involvedObject"]["name"] == claim["metadata"]["name"]
+    assert incarnation in event["message"] and "is gone" in event["message"]
+    operator.wait_metric("gpuobj_claims_dropped_total", {"holder": "process"}, 1)
+    operator.wait_metric("gpuobj_frees_total", {"result": "freed"}, 1)
+    agent_http.assert_holds_nothing(pods.endpoint("src"), token_file)
+    assert_api_empty(gpuobj_cluster, namespace)
+
+
+def test_a_receiver_alive_but_slow_to_adopt_keeps_its_share(
+    gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
+) -> None:
+    src, reader = pods.workload("src"), pods.workload("reader")
+    src.run("ref = client.put([torch.ones(1 << 12)], name='kv'); client.flush()")
+    shared = src.eval_pickle("client.share(ref, 'reader')")
+    src.run("client.flush(); ref.release()")  # only the unadopted share holds the bytes
+    wait_object(gpuobj_cluster, namespace, "kv", lambda o: state(o) == "Releasing")
+    # Many probes and audits pass (0.25 s and 0.5 s apart) while the receiver does not adopt.
+    audits = operator.metric("gpuobj_audit_runs_total", {"result": "ok"})
+    wait_until(
+        lambda: operator.metric("gpuobj_audit_runs_total", {"result": "ok"}) >= audits + 8, "8 more audits", 60, 0.1
+    )
+    assert len(kube(gpuobj_cluster, lambda k: k.list(CLAIMS, namespace))["items"]) == 1
+    assert operator.metric("gpuobj_claims_dropped_total", {"holder": "process"}) == 0
+    assert wait_object(gpuobj_cluster, namespace, "kv", lambda o: o is not None)["status"]["state"] == "Releasing"
+    # It adopts at last: the bytes are there, and its release frees them.
+    reader.run(f"h = client.adopt(load_pickle({shared!r})); got = client.fetch(h)[0]; h.release()")
+    assert reader.eval("float(got.sum())") == 1 << 12
+    wait_object(gpuobj_cluster, namespace, "kv", lambda o: o is None)
+    operator.wait_metric("gpuobj_frees_total", {"result": "freed"}, 1)
+    agent_http.assert_holds_nothing(pods.endpoint("src"), token_file)
+    assert_api_empty(gpuobj_cluster, namespace)
