@@ -288,6 +288,22 @@ class Chaos:
         except AssertionError as exc:
             out.note = str(exc)
         out.counters = self._check_counters(fault, point, before, pid_before)
+        if fault == "apiserver-restart" and alive["src"] and out.cleaned:
+            # What became of the put made during the outage: its create lands once the API server is back,
+            # even through the 403s a just-restarted API server answers (write-behind FORBIDDEN_GRACE).
+            src.run(
+                "if outage_ref is not None:\n"
+                "    try:\n"
+                "        client.flush(30)\n"
+                "    except Exception as e:\n"
+                "        outage_put += f', flush: {type(e).__name__}'\n"
+                "    fate = outage_ref.failed\n"
+                "    outage_put += ', then recorded' if fate is None else f', then refused: {fate}'\n"
+                "    outage_ref.release()\n"
+                "    client.flush(30)\n",
+                timeout=90,
+            )
+            out.note = f"put during outage: {src.eval('outage_put')}"
         return out
 
     def _inject(
@@ -341,10 +357,10 @@ class Chaos:
                 # or a write-behind client accepts it; either way nothing of it may be left in the end.
                 src.run(
                     "try:\n"
-                    "    client.put([torch.ones(4)], name='during-outage')\n"
-                    "    outage_put = 'accepted (write-behind), then dropped'\n"
+                    "    outage_ref = client.put([torch.ones(4)], name='during-outage')\n"
+                    "    outage_put = 'accepted (write-behind)'\n"
                     "except Exception as e:\n"
-                    "    outage_put = type(e).__name__",
+                    "    outage_ref, outage_put = None, type(e).__name__",
                     timeout=90,
                 )
                 out.note = f"put during outage: {src.eval('outage_put')}"
