@@ -236,8 +236,7 @@ async def run(args: argparse.Namespace) -> int:
                 break
             # Lost the lease (or the API failed the initial sync): nothing acts now. Try to lead again at
             # once and then with bounded backoff; leading again starts from a fresh LIST, never from
-            # what this process knew before.
-            elector.is_leader = False
+            # what this process knew before. (After a failed sync the lease is still ours: renewed at once.)
             delay = backoff.next() if outcome == "sync-failed" else 0.0
             print(f"gpuobj operator: {outcome}; stopped acting, trying to lead again", file=sys.stderr, flush=True)
             if outcome == "lease-lost":
