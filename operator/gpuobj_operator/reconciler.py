@@ -20,9 +20,7 @@ from gpuobj_contract import names
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, ApiError, Conflict, Invalid, KubeClient, NotFound
 from gpuobj_operator import audit as audit_mod
 from gpuobj_operator import statuses
-from gpuobj_operator.agent_client import AgentClient, AgentError, AgentGone, AgentUnreachable
-from gpuobj_operator.events import EventRecorder
-from gpuobj_operator.ledger import (
+from gpuobj_operator.actions import (
     Action,
     AddFinalizer,
     DeleteClaim,
@@ -30,7 +28,6 @@ from gpuobj_operator.ledger import (
     Emit,
     FinishStream,
     Free,
-    Ledger,
     LookupPod,
     Materialize,
     PatchClaimStatus,
@@ -40,6 +37,10 @@ from gpuobj_operator.ledger import (
     Requeue,
     SetClaimOwner,
 )
+from gpuobj_operator.agent_client import AgentClient, AgentError, AgentGone, AgentUnreachable
+from gpuobj_operator.decisions import decide
+from gpuobj_operator.events import EventRecorder
+from gpuobj_operator.ledger import Ledger
 from gpuobj_operator.metrics import OperatorMetrics
 from gpuobj_operator.model import Key, PodInfo, parse_claim, parse_object, parse_pod, parse_stream
 from gpuobj_operator.workqueue import WorkQueue
@@ -205,7 +206,7 @@ class Reconciler:
             item = await self.queue.get()
             try:
                 kind, key = item
-                for action in self.ledger.decide(kind, key, dt.datetime.now(dt.UTC)):
+                for action in decide(self.ledger, kind, key, dt.datetime.now(dt.UTC)):
                     await self.execute(action)
                 self.queue.forget(item)
             except RetryLater as exc:
