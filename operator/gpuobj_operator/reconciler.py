@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, ClassVar
 
 from gpuobj_contract import names
+from gpuobj_contract.agent_api import MaterializeRequest
+from gpuobj_contract.layouts import LayoutError, TensorLayout
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, ApiError, Conflict, Invalid, KubeClient, NotFound
 from gpuobj_operator import statuses
 from gpuobj_operator.actions import (
@@ -42,7 +44,7 @@ from gpuobj_operator.decisions import decide
 from gpuobj_operator.events import EventRecorder
 from gpuobj_operator.ledger import Ledger
 from gpuobj_operator.metrics import OperatorMetrics
-from gpuobj_operator.model import Key, PodInfo, parse_claim, parse_object, parse_pod, parse_stream
+from gpuobj_operator.model import Key, ObjectInfo, PodInfo, parse_claim, parse_object, parse_pod, parse_stream
 from gpuobj_operator.workqueue import WorkQueue
 
 log = logging.getLogger("gpuobj.operator")
@@ -274,17 +276,13 @@ class Reconciler:
 
     async def _do_Materialize(self, a: Materialize) -> None:
         obj = self.ledger.objects[a.key]
-        # The agent's layout: shape, dtype, device (a tensor's optional name is the API's alone).
-        spec: dict = {"tensors": [{k: t[k] for k in ("shape", "dtype", "device") if k in t} for t in obj.tensors]}
-        if obj.key_name:
-            spec["key"] = obj.key_name
-        if obj.shared_with:
-            spec["sharedWith"] = list(obj.shared_with)
-        if obj.stream:
-            spec["stream"], spec["streamIndex"] = obj.stream
         pod = self.ledger.pods[(obj.namespace, obj.source_pod)]
         try:
-            answer = await self.agents.materialize(a.endpoint, a.object_id, spec, pod_uid=a.pod_uid)
+            try:
+                request = _materialize_request(obj)
+            except LayoutError as exc:  # the CRD's schema admits none; refused here as the agent would
+                raise AgentError(400, str(exc)) from exc
+            answer = await self.agents.materialize(a.endpoint, a.object_id, request, pod_uid=a.pod_uid)
         except AgentError as exc:
             if exc.status == 404:
                 pending = statuses.pending_status(
@@ -304,7 +302,7 @@ class Reconciler:
             object_id=a.object_id,
             pod_uid=pod.uid,
             endpoint=a.endpoint,
-            incarnation=str(answer.get("incarnation", "")),
+            incarnation=answer.incarnation,
         )
         await self._patch_object_status(a.key, status)
         self._emit(
@@ -632,3 +630,15 @@ Reconciler._executors = {
 
 def _now() -> str:
     return statuses.now_str(dt.datetime.now(dt.UTC))
+
+
+def _materialize_request(obj: ObjectInfo) -> MaterializeRequest:
+    """What the source agent must hold for a declared object: its layouts (a tensor's name is the API's alone)."""
+    named = frozenset({"name"})
+    return MaterializeRequest(
+        tensors=tuple(TensorLayout.from_json(t, f"spec.tensors[{i}]", ignore=named) for i, t in enumerate(obj.tensors)),
+        key=obj.key_name,
+        stream=obj.stream[0] if obj.stream else None,
+        stream_index=obj.stream[1] if obj.stream else None,
+        shared_with=obj.shared_with,
+    )
