@@ -118,7 +118,7 @@ def decide_claim(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
             return [LookupPod(claim.namespace, pod_name)]
         if pod.deleted or pod.uid != pod_uid:
             return [DeleteClaim(claim.key, claim.uid, f"holder pod {pod_name} is gone")]
-    if claim.holder_incarnation and (why := ledger.holder_process_gone(claim)):
+    if why := ledger.holder_process_gone(claim):
         return [DeleteClaim(claim.key, claim.uid, why, holder="process")]
     if claim.ttl_seconds and claim.created:
         left = (claim.created + dt.timedelta(seconds=claim.ttl_seconds) - now).total_seconds()

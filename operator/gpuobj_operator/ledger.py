@@ -255,18 +255,46 @@ class Ledger:
             return "SourceAgentGone", f"nothing listens at the agent address of pod {pod.name}"
         return None
 
+    @staticmethod
+    def needs_scope(claim: ClaimInfo) -> bool:
+        """A claim that ``share()`` made for another pod without naming the receiver's process: the
+        operator scopes it to that pod's process alive when it was made (liveness.scoped_incarnation).
+        A claim applied with kubectl (no shared-by annotation) stays its pod's."""
+        return bool(
+            claim.holder_pod
+            and not claim.holder_incarnation
+            and claim.shared_by
+            and claim.shared_by != claim.holder_pod
+        )
+
+    def holder_incarnation(self, claim: ClaimInfo) -> str | None:
+        """The process this claim belongs to: its spec.holder.incarnation, or the one the operator's probes
+        scoped a share to; None while it belongs to its pod only."""
+        if claim.holder_incarnation or not self.needs_scope(claim):
+            return claim.holder_incarnation
+        pod = self.pods.get((claim.namespace, claim.holder_pod))  # type: ignore[arg-type]
+        uid = pod.uid if pod is not None else claim.owner_pods.get(claim.holder_pod)  # type: ignore[arg-type]
+        return self.liveness.scoped_incarnation(
+            (claim.namespace, claim.holder_pod),  # type: ignore[arg-type]
+            uid,
+            self.learned_at.get(claim.uid, float("inf")),
+        )
+
     def holder_process_gone(self, claim: ClaimInfo) -> str | None:
-        """Why the process this claim belongs to is known gone, or None. Needs spec.holder.incarnation."""
-        if not claim.holder_incarnation or not claim.holder_pod:
+        """Why the process this claim belongs to is known gone, or None (see holder_incarnation)."""
+        incarnation = self.holder_incarnation(claim)
+        if not incarnation or not claim.holder_pod:
             return None
         pod = self.pods.get((claim.namespace, claim.holder_pod))
         uid = pod.uid if pod is not None else claim.owner_pods.get(claim.holder_pod)
         why = self.liveness.incarnation_dead(
             (claim.namespace, claim.holder_pod),
             uid,
-            claim.holder_incarnation,
+            incarnation,
             self.learned_at.get(claim.uid, float("inf")),
         )
+        if why and not claim.holder_incarnation:
+            why += f"; shared by {claim.shared_by} without naming a process, so it was that pod's process then"
         return f"holder {why}" if why else None
 
     def _holder_gone(self, claim: ClaimInfo) -> bool:
@@ -291,7 +319,10 @@ class Ledger:
                 dirty.add(("object", key))
         for key in self._claims_by_pod.get(pod, ()):
             claim = self.claims.get(key)
-            if claim is not None and claim.holder_incarnation and claim.holder_incarnation != alive:
+            if claim is None:
+                continue
+            incarnation = self.holder_incarnation(claim)
+            if incarnation and incarnation != alive:
                 dirty.add(("claim", key))
         return dirty
 

@@ -51,6 +51,7 @@ log = logging.getLogger("gpuobj.operator")
 
 WorkItem = tuple[str, Key]
 LABEL_AGENT_SELECTOR = f"{names.LABEL_AGENT}=true"
+PROBE_GAP = 0.05  # seconds: the least time between two probes of one agent asked for by new shares
 
 
 class RetryLater(Exception):
@@ -104,6 +105,9 @@ class Reconciler:
         self.liveness_max_backoff = liveness_max_backoff
         self.probe_timeout = probe_timeout
         self._probe_due: dict[Key, float] = {}
+        self._probe_asked: dict[Key, float] = {}  # pod -> when a probe was asked for at once (a new share)
+        self._probe_started: dict[Key, float] = {}  # pod -> start of its last probe
+        self._probe_wake: asyncio.Event | None = None
         self.may_act = may_act or (lambda: True)
         self.auditor = Auditor(
             self.ledger,
@@ -194,6 +198,8 @@ class Reconciler:
             self.ledger.remove_claim(info, now) if event_type == "DELETED" else self.ledger.upsert_claim(info, now),
             urgent=gone,  # a reference went: most likely a free, ahead of status work
         )
+        if not gone and self.ledger.needs_scope(info) and self.ledger.holder_incarnation(info) is None:
+            self.probe_soon((info.namespace, info.holder_pod))  # type: ignore[arg-type]
 
     def on_stream(self, event_type: str | None, raw: dict) -> None:
         info = parse_stream(raw)
@@ -207,6 +213,8 @@ class Reconciler:
         if event_type == "DELETED":
             self.ledger.liveness.forget(info.key)
             self._probe_due.pop(info.key, None)
+            self._probe_asked.pop(info.key, None)
+            self._probe_started.pop(info.key, None)
         self.enqueue(self.ledger.remove_pod(info) if event_type == "DELETED" else self.ledger.upsert_pod(info))
 
     # ------------------------------------------------------------ workers
@@ -552,6 +560,7 @@ class Reconciler:
     async def _liveness_loop(self) -> None:
         """Probe every agent pod's /v1/info: which process (incarnation) lives, or none (see liveness.py)."""
         limit = asyncio.Semaphore(32)
+        self._probe_wake = wake = asyncio.Event()
 
         async def probe(pod: PodInfo) -> None:
             async with limit:
@@ -559,16 +568,38 @@ class Reconciler:
                     await self.probe_agent(pod)
                 except Exception:  # a bug must show, and must not stop the other probes
                     log.exception("probe of the agent of %s/%s failed", *pod.key)
+                    self._probe_asked.pop(pod.key, None)
+                    self._probe_due[pod.key] = time.monotonic() + self.liveness_interval
 
         while True:
+            wake.clear()
             now = time.monotonic()
-            due = [p for p in self.ledger.agent_pods() if self._probe_due.get(p.key, 0.0) <= now]
-            if due and self.ledger.synced:
+            pods = self.ledger.agent_pods() if self.ledger.synced else []
+            due = [p for p in pods if self._probe_due.get(p.key, 0.0) <= now]
+            if due:
                 await asyncio.gather(*(probe(p) for p in due), return_exceptions=True)
-            await asyncio.sleep(self.liveness_interval / 2)
+            # Wake for the next round, or sooner for a probe a new share asked for (PROBE_GAP after the last).
+            timeout = self.liveness_interval / 2
+            asked = [self._probe_due[p.key] for p in pods if p.key in self._probe_asked and p.key in self._probe_due]
+            if asked:
+                timeout = max(0.005, min(timeout, min(asked) - time.monotonic()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), timeout=timeout)
+
+    def probe_soon(self, pod: Key) -> None:
+        """Probe this pod's agent now: a share just named it, and the process alive now is the one the
+        share is scoped to (liveness.scoped_incarnation); the sooner it is asked, the narrower the gap in
+        which that process could die unseen (then the share is scoped to its successor: kept longer)."""
+        now = time.monotonic()
+        self._probe_asked[pod] = now
+        # At most one probe per pod per PROBE_GAP however many shares arrive: the first after the ask counts.
+        soon = max(now, self._probe_started.get(pod, float("-inf")) + PROBE_GAP)
+        self._probe_due[pod] = min(self._probe_due.get(pod, soon), soon)
+        if self._probe_wake is not None:
+            self._probe_wake.set()
 
     async def probe_agent(self, pod: PodInfo) -> None:
-        started = time.monotonic()
+        started = self._probe_started[pod.key] = time.monotonic()
         liveness = self.ledger.liveness
         try:
             info = await self.agents.info(pod.endpoint, pod_uid=pod.uid, timeout=self.probe_timeout)  # type: ignore[arg-type]
@@ -601,6 +632,10 @@ class Reconciler:
         self._probe_due[pod.key] = started + liveness.probe_delay(
             pod.key, self.liveness_interval, self.liveness_max_backoff
         )
+        if self._probe_asked.get(pod.key, float("-inf")) >= started:
+            self._probe_due[pod.key] = started  # asked for while this probe ran: it may predate the share
+        else:
+            self._probe_asked.pop(pod.key, None)
         self.enqueue(self.ledger.suspect_records(pod.key))
 
     async def _resync_loop(self) -> None:

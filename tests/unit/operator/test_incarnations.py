@@ -201,3 +201,42 @@ def test_a_claim_with_a_ttl_is_rechecked_when_due_and_dropped_once_it_ran_out() 
 def test_a_claim_without_a_ttl_never_expires() -> None:
     ledger = synced_ledger(pod(), obj(), claim(created=NOW - dt.timedelta(days=365)))
     assert not [a for a in decide_claim(ledger, (NS, "c1"), NOW) if isinstance(a, DeleteClaim | Requeue)]
+
+
+def share(**kw):
+    """A claim that src's share() made for the reader pod without naming the reader's process."""
+    return claim(holder_pod="reader", shared_by="src", owner_pods={"reader": "pod-uid-r"}, **kw)
+
+
+def test_a_share_without_an_incarnation_is_dropped_when_the_receiver_process_alive_at_the_time_dies() -> None:
+    ledger = synced_ledger(pod(), reader_pod(), obj(deleting=True), share())  # learned at t=0
+    assert ledger.holder_incarnation(ledger.claims[(NS, "c1")]) is None  # no probe since: the pod's for now
+    ledger.liveness.observe_alive(READER, "pod-uid-r", "r-1", probe_started=1.0)
+    for t in range(2, 20):  # alive, slow to adopt: kept however long
+        ledger.liveness.observe_alive(READER, "pod-uid-r", "r-1", probe_started=float(t))
+        assert DeleteClaim not in kinds(decide_claim(ledger, (NS, "c1"), NOW))
+    assert ledger.suspect_records(READER) == set() and ledger.dead_holder_bytes() == {}
+    ledger.liveness.observe_alive(READER, "pod-uid-r", "r-2", probe_started=20.0)  # the container restarted
+    assert ledger.suspect_records(READER) == {("claim", (NS, "c1"))}
+    assert ledger.dead_holder_bytes() == {SRC: 64}  # a leak while it waits
+    [drop] = [a for a in decide_claim(ledger, (NS, "c1"), NOW) if isinstance(a, DeleteClaim)]
+    assert drop.holder == "process" and "r-1" in drop.reason and "shared by src" in drop.reason
+
+
+def test_a_share_whose_receiver_died_before_the_operator_asked_is_kept_by_the_next_process() -> None:
+    ledger = synced_ledger(pod(), reader_pod(), obj(), share())
+    ledger.liveness.observe_refused(READER, "pod-uid-r", 1.0)
+    ledger.liveness.observe_refused(READER, "pod-uid-r", 2.0)
+    assert DeleteClaim not in kinds(decide_claim(ledger, (NS, "c1"), NOW))
+    ledger.liveness.observe_alive(READER, "pod-uid-r", "r-2", probe_started=3.0)
+    assert ledger.holder_incarnation(ledger.claims[(NS, "c1")]) == "r-2"
+    assert DeleteClaim not in kinds(decide_claim(ledger, (NS, "c1"), NOW))
+
+
+def test_a_claim_applied_with_kubectl_is_never_scoped_to_a_process() -> None:
+    ledger = synced_ledger(pod(), reader_pod(), obj(), claim(holder_pod="reader"))
+    assert not ledger.needs_scope(ledger.claims[(NS, "c1")])
+    ledger.liveness.observe_alive(READER, "pod-uid-r", "r-1", probe_started=1.0)
+    ledger.liveness.observe_alive(READER, "pod-uid-r", "r-2", probe_started=2.0)
+    assert DeleteClaim not in kinds(decide_claim(ledger, (NS, "c1"), NOW))
+    assert ledger.suspect_records(READER) == set()
