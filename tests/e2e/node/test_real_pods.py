@@ -184,16 +184,11 @@ def test_operator_pod_deleted_while_objects_live(node_cluster: ClusterHandle, e2
     print("\n" + node_cluster.kubectl("get", "pods", "-A", "-o", "wide").stdout)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the failures issue: a claim is held by its pod, so a holder process that dies and is restarted in "
-    "the same pod keeps its claims (docs/write-behind.md: 'while the receiver pod lives, the claim keeps the "
-    "object'); measured here: the GPUObject stays Releasing with 1 ref and the source keeps its bytes",
-)
 def test_killed_workload_container_gives_up_its_claims(node_cluster: ClusterHandle, e2e: Pods) -> None:
-    """The consumer's process dies holding a claim; the kubelet restarts the container in the same pod
-    (same UID, so ownerReference garbage collection does not apply). The issue asks that the dead
-    process's claims go and the bytes be freed."""
+    """The consumer's process dies holding a claim the producer shared without naming the consumer's
+    process; the kubelet restarts the container in the same pod (same UID, so ownerReference garbage
+    collection does not apply). The operator scoped the share to the consumer process alive when it was
+    made, so the dead process's claim goes (HolderGone) and the bytes are freed."""
     producer, consumer = Workload(e2e, "producer"), Workload(e2e, "consumer")
     producer.call("put", key="c", name="checkpoint", seed=8)
     consumer.call("adopt", key="c", shared=producer.call("share", key="c", pod="consumer")["shared"])
@@ -205,3 +200,4 @@ def test_killed_workload_container_gives_up_its_claims(node_cluster: ClusterHand
     wait_until(lambda: e2e.restarts("consumer") > restarts, "consumer restarted", 180, 1)
     e2e.wait_ready("consumer", timeout=600)
     wait_until(lambda: gpuobjects(e2e) == [] and producer.store_bytes() == 0, "the dead holder's object freed", 60, 1)
+    assert gpuobjects(e2e, "gpuobjectclaims") == []
