@@ -22,7 +22,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpuobj_contract import names
-from gpuobj_kube.client import PODS, KubeClient
+from gpuobj_kube.client import CLAIMS, PODS, KubeClient
 from gpuobj_kube.config import KubeConfig
 from gpuobj_kube.config import load as load_config
 from gpuobj_operator.agent_client import AgentClient
@@ -152,10 +152,6 @@ def build_registry(reconciler: Reconciler, config: KubeConfig) -> kopf.OperatorR
     def on_object(event, **_):
         reconciler.on_object(event["type"], event["object"])
 
-    @kopf.on.event(names.GROUP, names.VERSION, names.PLURAL_CLAIM, registry=registry)
-    def on_claim(event, **_):
-        reconciler.on_claim(event["type"], event["object"])
-
     @kopf.on.event(names.GROUP, names.VERSION, names.PLURAL_STREAM, registry=registry)
     def on_stream(event, **_):
         reconciler.on_stream(event["type"], event["object"])
@@ -237,12 +233,17 @@ async def run(args: argparse.Namespace) -> int:
     reconciler_box.append(reconciler)
     events.start()
     pods = Informer(kube, PODS, reconciler.on_pod, namespace=args.namespace, label_selector=LABEL_AGENT_SELECTOR)
+    # Claims through our own in-order informer, not kopf: its watermark lets a free skip the claims
+    # read once every claim event up to the object's deletion is in the ledger (claimcheck.py).
+    claims = Informer(kube, CLAIMS, reconciler.on_claim, namespace=args.namespace)
+    reconciler.claims_watermark = claims.watermark
     rc = 0
     kopf_stop = asyncio.Event()
     operator: asyncio.Task | None = None
     try:
         await reconciler.sync()
         pods.start()
+        claims.start()
         reconciler.start()
         health.state = "leading"
         print("gpuobj operator: synced and reconciling", flush=True)
@@ -281,6 +282,7 @@ async def run(args: argparse.Namespace) -> int:
         stopping.cancel()
         await reconciler.stop()
         await pods.stop()
+        await claims.stop()
         if rc == 0:
             await elector.release()
         kopf_stop.set()

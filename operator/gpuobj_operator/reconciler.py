@@ -17,8 +17,20 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, ClassVar
 
 from gpuobj_contract import names
-from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, ApiError, Conflict, Invalid, KubeClient, NotFound
+from gpuobj_kube.client import (
+    CLAIMS,
+    GPUOBJECTS,
+    PODS,
+    STREAMS,
+    ApiError,
+    Conflict,
+    Gone,
+    Invalid,
+    KubeClient,
+    NotFound,
+)
 from gpuobj_operator import audit as audit_mod
+from gpuobj_operator import claimcheck
 from gpuobj_operator import statuses
 from gpuobj_operator.agent_client import AgentClient, AgentError, AgentGone, AgentUnreachable
 from gpuobj_operator.events import EventRecorder
@@ -58,6 +70,8 @@ class Reconciler:
     """Executes the ledger's actions against the API server and the agents; decides nothing itself."""
 
     _executors: ClassVar[dict[type[Action], Callable[[Reconciler, Any], Awaitable[None]]]]
+    # The in-order claims watch's progress (main.py wires the claims Informer's); None: always read.
+    claims_watermark: claimcheck.Watermark | None = None
 
     def __init__(
         self,
@@ -306,25 +320,27 @@ class Reconciler:
         if a.uid in self._freed:
             return  # freed already; the DELETED event is on its way
         self._must_lead()
-        # 1. Re-check the claims: the caches of two watches may disagree for a moment. Read from the
-        # API server's watch cache once it has reached the version at which we saw the object (every
-        # claim made before that is in it), not a quorum read from etcd per free.
+        decided = time.monotonic()
+        # 1. Re-check the claims: a claim made just before the deletion may not be in the ledger yet
+        # (two watches). See claimcheck.py: none needed once the in-order claims watch has passed the
+        # version the decision saw; else a read at exactly that version (no wait for the watch cache).
         current = self.ledger.objects.get(a.key)
-        seen_rv = current.resource_version if current is not None and current.uid == a.uid else None
-        fresh = await self.kube.list(
-            CLAIMS, a.key[0], field_selector=f"spec.objectName={a.key[1]}", not_older_than=seen_rv or None
-        )
-        now = time.monotonic()
-        live = []
-        for raw in fresh["items"]:
-            claim = parse_claim(raw)
-            if not claim.deleting and (not claim.object_uid or claim.object_uid == a.uid):
-                live.append(claim)
+        if current is None or current.uid != a.uid:
+            current = None
+        seen_rv = current.resource_version if current is not None else None
+        how = claimcheck.plan(seen_rv, self.claims_watermark)
+        if how is not claimcheck.Plan.LEDGER:
+            fresh = await self._read_claims(a.key, seen_rv if how is claimcheck.Plan.EXACT else None)
+            now = time.monotonic()
+            held = claimcheck.holding(fresh, a.uid)
+            for claim in held:
                 self.enqueue(self.ledger.upsert_claim(claim, now))
-        if live:
-            return  # the ledger now knows them; the object stays
+            if held:
+                return  # the ledger now knows them; the object stays
+        if current is not None and self.ledger.live_claims(current):
+            return  # the ledger learned of a claim since it decided; it decides again
+        checked = time.monotonic()
         # 2. Free on the source agent (idempotent there).
-        log.info("freeing %s/%s (object %s, %d bytes) on %s", *a.key, a.object_id, a.bytes, a.endpoint)
         started = time.monotonic()
         try:
             result = await self.agents.free(a.endpoint, a.object_id, reason=a.reason, pod_uid=a.pod_uid)
@@ -339,6 +355,22 @@ class Reconciler:
             self.metrics.free_failures.labels("unreachable").inc()
             raise RetryLater(f"agent at {a.endpoint} unreachable: {exc}") from exc
         acked = time.monotonic()
+        gone_at = self.ledger.ref_gone_at.get(a.key, decided)
+        # Monotonic stamps (one clock per machine): where a free's time goes (bench/lifecycle.py reads it).
+        log.info(
+            "freed %s/%s (object %s, %d bytes) on %s: %s; claims by %s; seen t=%.6f, decided +%.2f ms, "
+            "checked +%.2f ms, acked +%.2f ms",
+            *a.key,
+            a.object_id,
+            a.bytes,
+            a.endpoint,
+            outcome,
+            how.value,
+            gone_at,
+            (decided - gone_at) * 1000,
+            (checked - gone_at) * 1000,
+            (acked - gone_at) * 1000,
+        )
         # 3. Let the API server finish the deletion.
         current = self.ledger.objects.get(a.key)
         known = current.finalizers if current is not None and current.uid == a.uid else None
@@ -357,6 +389,18 @@ class Reconciler:
         else:
             message = f"agent at {a.endpoint} is gone; its memory went with it"
         self._emit("GPUObject", a.key, a.uid, "Normal", "Freed", message)
+
+    async def _read_claims(self, key: Key, at: str | None) -> list:
+        """The object's claims at exactly ``at`` (or, without it or once compacted away, a consistent read)."""
+        selector = f"spec.objectName={key[1]}"
+        if at:
+            try:
+                listed = await self.kube.list(CLAIMS, key[0], field_selector=selector, exact=at)
+                return [parse_claim(raw) for raw in listed["items"]]
+            except Gone:
+                pass  # compacted: the current state is newer, and as safe
+        listed = await self.kube.list(CLAIMS, key[0], field_selector=selector)
+        return [parse_claim(raw) for raw in listed["items"]]
 
     async def _do_ReleaseWithoutFree(self, a: ReleaseWithoutFree) -> None:
         if a.uid in self._freed:
