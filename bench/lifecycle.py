@@ -306,9 +306,21 @@ def cycles(size, n, fresh, reader, reader_uid):
     breakdown.update({f"reader {k}": v / n * 1000 for k, v in zip(("adopt+fetch", "verify", "release"), rsteps)})
     return rate, lat, breakdown
 
+from gpuobj_kube.client import KubeClient as _KubeClient
+_orig_delete = _KubeClient.delete
+deleted_at = {}
+
+async def _observed_delete(self, res, name, *a, **kw):
+    out = await _orig_delete(self, res, name, *a, **kw)
+    deleted_at[(res.plural, name)] = time.monotonic()  # the API server answered this DELETE
+    return out
+
+_KubeClient.delete = _observed_delete
+
 def recorded_frees(n, reader, reader_uid):
-    # Objects that outlive the write window: recorded, and freed by the operator.
-    lat = []
+    # Objects that outlive the write window: recorded, and freed by the operator. The reader has
+    # fetched and released (its claim's DELETE answered) before the owner's release: the last one.
+    out = []
     for i in range(n):
         ref = client.put([torch.full((1024,), 7.0)])
         shared = client.share(ref, reader, pod_uid=reader_uid)
@@ -317,10 +329,14 @@ def recorded_frees(n, reader, reader_uid):
         assert _f.readline().split()[0] == b"1"
         client.flush()
         oid = ref.address.object_id
+        name = ref.name
         t_release = time.monotonic()
         client.release(ref)
-        lat.append(wait_freed(oid) - t_release)
-    return lat
+        t_freed = wait_freed(oid)
+        client.flush()
+        out.append({"object_id": oid, "release": t_release, "deleted": deleted_at.pop(("gpuobjects", name), None),
+                    "freed": t_freed})
+    return out
 
 def burst(n, inflight=32):
     async def run():
@@ -471,7 +487,10 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
                 }
                 print(f"# gpuobj {human(size)} {policy}: {rate:.1f} cycles/s", file=sys.stderr, flush=True)
             out["rows"][str(size)] = row
-        out["recorded_free_ms"] = [x * 1000 for x in src.eval(f"recorded_frees(30, {rname!r}, {ruid!r})", timeout=600)]
+        if args.recorded:
+            samples = src.eval(f"recorded_frees({args.recorded}, {rname!r}, {ruid!r})", timeout=1800)
+            out["recorded_free_ms"] = [(x["freed"] - x["release"]) * 1000 for x in samples]
+            out["recorded_steps"] = recorded_steps(samples, operator.lines)
         out["stats"] = src.eval("client.write_stats()")
         if args.pairs > 1:
             pairs = [(src, rname, ruid)] + [make_pair(k) for k in range(1, args.pairs)]
@@ -532,6 +551,44 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
             with contextlib.suppress(Exception):
                 creds.stop()
         cluster.down(quiet=True)
+
+
+def recorded_steps(samples: list[dict], operator_lines) -> dict:
+    """Where a recorded free's time goes, per step (median and p99, ms), from monotonic stamps (one
+    clock for every process here): the workload's release call and its DELETE answered, the operator's
+    "freed ..." log line (it saw the last reference go, decided, checked the claims, sent the free),
+    and the source's free returned."""
+    import re
+
+    rx = re.compile(
+        r"freed \S+ \(object (\S+),.*: \S+; claims by (\w+); seen t=([\d.]+), decided \+([\d.]+) ms, "
+        r"checked \+([\d.]+) ms"
+    )
+    op: dict[str, tuple[str, float, float, float]] = {}
+    for line in list(operator_lines):
+        m = rx.search(line)
+        if m:
+            seen = float(m.group(3))
+            op[m.group(1)] = (m.group(2), seen, seen + float(m.group(4)) / 1000, seen + float(m.group(5)) / 1000)
+    steps: dict[str, list[float]] = {
+        "release call -> DELETE answered": [],
+        "DELETE answered -> operator saw it": [],
+        "saw -> decided (work queue)": [],
+        "decided -> claims checked": [],
+        "checked -> freed in the source": [],
+    }
+    how: dict[str, int] = {}
+    for x in samples:
+        o = op.get(x["object_id"])
+        if o is None or x["deleted"] is None:
+            continue
+        plan, seen, decided, checked = o
+        how[plan] = how.get(plan, 0) + 1
+        stamps = (x["release"], x["deleted"], seen, decided, checked, x["freed"])
+        for key, a, b in zip(steps, stamps, stamps[1:], strict=False):
+            steps[key].append((b - a) * 1000)
+    table = {k: {"p50": pct(v, 0.5), "p99": pct(v, 0.99)} for k, v in steps.items()}
+    return {"steps": table, "claims_checked_by": how, "matched": len(steps["saw -> decided (work queue)"])}
 
 
 # ------------------------------------------------------------------------------------ the table
@@ -595,6 +652,11 @@ def report(ray: dict | str, ours: dict | str, sizes: list[int]) -> None:
             f"gpuobj free latency of recorded objects (outlived the window; freed by the operator): "
             f"p50 {pct(rec, 0.5):.1f} ms, p99 {pct(rec, 0.99):.1f} ms ({len(rec)} samples)"
         )
+        rs = ours.get("recorded_steps")
+        if rs:
+            print(f"  per step, p50 / p99 ms ({rs['matched']} matched; claims checked by {rs['claims_checked_by']}):")
+            for step, v in rs["steps"].items():
+                print(f"    {step:<36} {v['p50']:7.2f} / {v['p99']:7.2f}")
         print(f"gpuobj write-behind: {ours.get('stats')}")
         b = ours.get("burst")
         if b:
@@ -621,17 +683,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=4, help="producer/reader pairs for the concurrency column")
     parser.add_argument("--burst", type=int, default=1000, help="short-lived objects per client in the burst (0: skip)")
     parser.add_argument("--window", type=float, default=0.1, help="gpuobj's write-behind window, seconds")
+    parser.add_argument(
+        "--recorded", type=int, default=200, help="recorded-object frees to time (outlive the window; 0: skip)"
+    )
+    parser.add_argument(
+        "--recorded-only",
+        action="store_true",
+        help="only the recorded-object frees: no table sizes, pairs, burst or Ray (a short run)",
+    )
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray RDT side")
     parser.add_argument("--side", choices=["ray", "gpuobj"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.recorded_only:
+        args.sizes, args.pairs, args.burst, args.no_ray = [], 1, 0, True
+        args.recorded = args.recorded or 200
     if args.side:
         result = ray_side(args) if args.side == "ray" else gpuobj_side(args)
         Path(args.out).write_text(json.dumps(result))
         return 0
     passthrough = [
-        "--cycles", str(args.cycles), "--sizes", *map(str, args.sizes), "--pairs", str(args.pairs),
-        "--burst", str(args.burst), "--window", str(args.window),
+        "--cycles", str(args.cycles), *(["--sizes", *map(str, args.sizes)] if args.sizes else []),
+        "--pairs", str(args.pairs),
+        "--burst", str(args.burst), "--window", str(args.window), "--recorded", str(args.recorded),
+        *(["--recorded-only"] if args.recorded_only else []),
     ]  # fmt: skip
     print(f"# {os.cpu_count()} CPUs, load {load()} before the run", flush=True)
     ray: dict | str = "skipped (--no-ray)"

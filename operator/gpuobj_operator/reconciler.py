@@ -30,8 +30,7 @@ from gpuobj_kube.client import (
     NotFound,
 )
 from gpuobj_operator import audit as audit_mod
-from gpuobj_operator import claimcheck
-from gpuobj_operator import statuses
+from gpuobj_operator import claimcheck, statuses
 from gpuobj_operator.agent_client import AgentClient, AgentError, AgentGone, AgentUnreachable
 from gpuobj_operator.events import EventRecorder
 from gpuobj_operator.ledger import (

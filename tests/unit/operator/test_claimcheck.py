@@ -58,6 +58,7 @@ def test_holding_counts_every_claim_not_deleting_and_not_pinned_elsewhere() -> N
 
 # ------------------------------------------------------------------ the informer that moves it
 
+
 def _claim(name: str, rv: str) -> dict:
     return {"metadata": {"namespace": "ns", "name": name, "resourceVersion": rv}}
 
@@ -109,7 +110,13 @@ def test_the_watermark_moves_only_once_each_event_was_handled_in_order() -> None
     kube = ScriptedKube(
         [_claim("a", "5")],
         "10",
-        [[("ADDED", _claim("b", "11")), ("BOOKMARK", {"metadata": {"resourceVersion": "15"}}), ("DELETED", _claim("a", "16"))]],
+        [
+            [
+                ("ADDED", _claim("b", "11")),
+                ("BOOKMARK", {"metadata": {"resourceVersion": "15"}}),
+                ("DELETED", _claim("a", "16")),
+            ]
+        ],
     )
 
     async def go() -> Informer:
