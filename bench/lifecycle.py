@@ -317,25 +317,34 @@ async def _observed_delete(self, res, name, *a, **kw):
 
 _KubeClient.delete = _observed_delete
 
-def recorded_frees(n, reader, reader_uid):
-    # Objects that outlive the write window: recorded, and freed by the operator. The reader has
-    # fetched and released (its claim's DELETE answered) before the owner's release: the last one.
+def recorded_frees(n, reader, reader_uid, reader_last=False):
+    # Objects that outlive the write window: recorded, and freed by the operator. Either the owner's
+    # release is the last (the reader fetched and released first; its claim's DELETE answered) or the
+    # reader's is (the owner released first; the reader's claim DELETE is the last reference going).
     out = []
     for i in range(n):
         ref = client.put([torch.full((1024,), 7.0)])
         shared = client.share(ref, reader, pod_uid=reader_uid)
-        _f.write(base64.b64encode(pickle.dumps((shared, 7.0))) + b"\n")
+        _f.write(base64.b64encode(pickle.dumps((shared, 7.0) + ((True,) if reader_last else ()))) + b"\n")
         _f.flush()
         assert _f.readline().split()[0] == b"1"
         client.flush()
         oid = ref.address.object_id
-        name = ref.name
-        t_release = time.monotonic()
-        client.release(ref)
+        if reader_last:
+            client.release(ref)
+            client.flush()
+            _f.write(b"release %s\n" % oid.encode())
+            _f.flush()
+            t_release = float(_f.readline())
+            key = ("gpuobjectclaims", shared.claim_name)
+        else:
+            key = ("gpuobjects", ref.name)
+            t_release = time.monotonic()
+            client.release(ref)
         t_freed = wait_freed(oid)
         client.flush()
-        out.append({"object_id": oid, "release": t_release, "deleted": deleted_at.pop(("gpuobjects", name), None),
-                    "freed": t_freed})
+        out.append({"object_id": oid, "release": t_release, "deleted": deleted_at.pop(key, None), "freed": t_freed})
+        deleted_at.clear()
     return out
 
 def burst(n, inflight=32):
@@ -363,18 +372,31 @@ _srv.bind(("127.0.0.1", 0))
 _srv.listen()
 reader_port = _srv.getsockname()[1]
 
+_held = {}
+
 def _handle(conn):
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     f = conn.makefile("rwb")
     while line := f.readline():
-        shared, value = pickle.loads(base64.b64decode(line))
+        if line.startswith(b"release "):  # the reader's reference is the last to go: release it now
+            h = _held.pop(line.split()[1].decode())
+            t_release = time.monotonic()
+            client.release(h)
+            del h
+            f.write(b"%f\n" % t_release)
+            f.flush()
+            continue
+        shared, value, *hold = pickle.loads(base64.b64decode(line))
         t0 = time.monotonic()
         h = client.adopt(shared)
         t = client.fetch(h)[0]
         t1 = time.monotonic()
         ok = bool((t[::4096] == value).all() and t[0] == value and t[-1] == value)
         t2 = time.monotonic()
-        client.release(h)
+        if hold:
+            _held[shared.address.object_id] = h
+        else:
+            client.release(h)
         del t, h
         t3 = time.monotonic()
         f.write(b"%d %f %f %f\n" % (ok, t1 - t0, t2 - t1, t3 - t2))
@@ -488,9 +510,15 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
                 print(f"# gpuobj {human(size)} {policy}: {rate:.1f} cycles/s", file=sys.stderr, flush=True)
             out["rows"][str(size)] = row
         if args.recorded:
-            samples = src.eval(f"recorded_frees({args.recorded}, {rname!r}, {ruid!r})", timeout=1800)
-            out["recorded_free_ms"] = [(x["freed"] - x["release"]) * 1000 for x in samples]
-            out["recorded_steps"] = recorded_steps(samples, operator.lines)
+            out["recorded"] = {}
+            for order in ("owner last", "reader last"):
+                samples = src.eval(
+                    f"recorded_frees({args.recorded}, {rname!r}, {ruid!r}, {order == 'reader last'})", timeout=1800
+                )
+                out["recorded"][order] = {
+                    "free_ms": [(x["freed"] - x["release"]) * 1000 for x in samples],
+                    "steps": recorded_steps(samples, operator.lines),
+                }
         out["stats"] = src.eval("client.write_stats()")
         if args.pairs > 1:
             pairs = [(src, rname, ruid)] + [make_pair(k) for k in range(1, args.pairs)]
@@ -647,13 +675,12 @@ def report(ray: dict | str, ours: dict | str, sizes: list[int]) -> None:
                 f"{ratio}{scale}"
             )
     if isinstance(ours, dict):
-        rec = ours.get("recorded_free_ms") or []
-        print(
-            f"gpuobj free latency of recorded objects (outlived the window; freed by the operator): "
-            f"p50 {pct(rec, 0.5):.1f} ms, p99 {pct(rec, 0.99):.1f} ms ({len(rec)} samples)"
-        )
-        rs = ours.get("recorded_steps")
-        if rs:
+        for order, rec in (ours.get("recorded") or {}).items():
+            ms, rs = rec["free_ms"], rec["steps"]
+            print(
+                f"gpuobj free latency of recorded objects ({order}; freed by the operator): "
+                f"p50 {pct(ms, 0.5):.1f} ms, p99 {pct(ms, 0.99):.1f} ms ({len(ms)} samples)"
+            )
             print(f"  per step, p50 / p99 ms ({rs['matched']} matched; claims checked by {rs['claims_checked_by']}):")
             for step, v in rs["steps"].items():
                 print(f"    {step:<36} {v['p50']:7.2f} / {v['p99']:7.2f}")

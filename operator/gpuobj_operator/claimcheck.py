@@ -18,6 +18,7 @@ compared with an object's. One that does not parse as an integer is never truste
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import Iterable
 
@@ -48,12 +49,35 @@ class Watermark:
 
     def __init__(self) -> None:
         self.revision: int | None = None
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
 
     def observe(self, rv: str | None) -> None:
         """Call after the event (or the whole list) at ``rv`` was applied; bookmarks count too."""
         revision = _revision(rv)
         if revision is not None and (self.revision is None or revision > self.revision):
             self.revision = revision
+            if self._waiters:
+                waiting = []
+                for at, future in self._waiters:
+                    if future.done():
+                        continue  # abandoned
+                    if at <= revision:
+                        future.set_result(None)
+                    else:
+                        waiting.append((at, future))
+                self._waiters = waiting
+
+    def reached(self, rv: str) -> asyncio.Future[None]:
+        """A future done once everything up to ``rv`` was applied (cancel it to stop waiting)."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        revision = _revision(rv)
+        if revision is None:
+            return future  # never: an unparsable version is never trusted
+        if self.revision is not None and self.revision >= revision:
+            future.set_result(None)
+        else:
+            self._waiters.append((revision, future))
+        return future
 
     def passed(self, rv: str | None) -> bool:
         """Whether everything up to and including ``rv`` has been applied."""

@@ -71,6 +71,7 @@ class Reconciler:
     _executors: ClassVar[dict[type[Action], Callable[[Reconciler, Any], Awaitable[None]]]]
     # The in-order claims watch's progress (main.py wires the claims Informer's); None: always read.
     claims_watermark: claimcheck.Watermark | None = None
+    claims_read_delay = 0.005  # seconds a free waits for that watch before it reads the claims
 
     def __init__(
         self,
@@ -322,20 +323,17 @@ class Reconciler:
         decided = time.monotonic()
         # 1. Re-check the claims: a claim made just before the deletion may not be in the ledger yet
         # (two watches). See claimcheck.py: none needed once the in-order claims watch has passed the
-        # version the decision saw; else a read at exactly that version (no wait for the watch cache).
+        # version the decision saw; else a read at exactly that version, raced against that watch.
         current = self.ledger.objects.get(a.key)
         if current is None or current.uid != a.uid:
             current = None
         seen_rv = current.resource_version if current is not None else None
-        how = claimcheck.plan(seen_rv, self.claims_watermark)
-        if how is not claimcheck.Plan.LEDGER:
-            fresh = await self._read_claims(a.key, seen_rv if how is claimcheck.Plan.EXACT else None)
+        how, held = await self._check_claims(a.key, a.uid, seen_rv)
+        if held:
             now = time.monotonic()
-            held = claimcheck.holding(fresh, a.uid)
             for claim in held:
                 self.enqueue(self.ledger.upsert_claim(claim, now))
-            if held:
-                return  # the ledger now knows them; the object stays
+            return  # the ledger now knows them; the object stays
         if current is not None and self.ledger.live_claims(current):
             return  # the ledger learned of a claim since it decided; it decides again
         checked = time.monotonic()
@@ -388,6 +386,38 @@ class Reconciler:
         else:
             message = f"agent at {a.endpoint} is gone; its memory went with it"
         self._emit("GPUObject", a.key, a.uid, "Normal", "Freed", message)
+
+    async def _check_claims(self, key: Key, uid: str, seen_rv: str | None) -> tuple[claimcheck.Plan, list]:
+        """Claims that still hold the object as of ``seen_rv``, and how that was learned (claimcheck.py).
+
+        Behind the decision, the in-order claims watch usually passes it within milliseconds while
+        claims change; so wait ``claims_read_delay`` for it before reading, and take whichever of the
+        watch and the read answers first (an idle watch only learns of progress from the API server's
+        own clock, every 40-100 ms, which is what a read then waits for too).
+        """
+        how = claimcheck.plan(seen_rv, self.claims_watermark)
+        if how is claimcheck.Plan.LEDGER:
+            return how, []
+        if how is claimcheck.Plan.LATEST or self.claims_watermark is None or seen_rv is None:
+            return how, claimcheck.holding(await self._read_claims(key, None), uid)
+        passed = self.claims_watermark.reached(seen_rv)
+        read: asyncio.Task | None = None
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(passed), self.claims_read_delay)
+            if not passed.done():
+                read = asyncio.ensure_future(self._read_claims(key, seen_rv))
+                await asyncio.wait({passed, read}, return_when=asyncio.FIRST_COMPLETED)
+            if passed.done() and not passed.cancelled():
+                return claimcheck.Plan.LEDGER, []  # the ledger holds every claim up to seen_rv
+            assert read is not None
+            return how, claimcheck.holding(read.result(), uid)
+        finally:
+            passed.cancel()
+            if read is not None and not read.done():
+                read.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await read
 
     async def _read_claims(self, key: Key, at: str | None) -> list:
         """The object's claims at exactly ``at`` (or, without it or once compacted away, a consistent read)."""

@@ -160,3 +160,20 @@ def test_a_gone_watch_lists_again_from_scratch() -> None:
     informer = _run(kube, lambda kind, obj: seen.append((kind, obj["metadata"]["name"])))
     assert kube.lists == 2 and informer.watermark.revision == 10
     assert seen == [(None, "a"), (None, "a")]
+
+
+def test_waiting_for_the_watermark_ends_once_it_passed_and_never_on_an_unparsable_version() -> None:
+    async def go() -> tuple[bool, bool, bool, bool]:
+        mark = Watermark()
+        mark.observe("10")
+        already = mark.reached("10").done()
+        later = mark.reached("12")
+        never = mark.reached("x")
+        abandoned = mark.reached("11")
+        abandoned.cancel()
+        mark.observe("11")
+        early = later.done()
+        mark.observe("12")
+        return already, early, later.done(), never.done()
+
+    assert asyncio.run(go()) == (True, False, True, False)
