@@ -94,6 +94,19 @@ def plan(seen_rv: str | None, claims_watermark: Watermark | None) -> Plan:
     return Plan.EXACT
 
 
+def blocking(read: Iterable[ClaimInfo], object_uid: str, claims_watermark: Watermark | None) -> list[ClaimInfo]:
+    """Claims from a read that stop a free: holding the object at a version the in-order claims watch
+    has not applied yet. Those it has applied the ledger already weighed (it may know of their deletion
+    since, which a read at an older version still shows); the others it will learn of, and decide again.
+    The read never feeds the ledger: a claim learned that way and deleted meanwhile would hold forever.
+    """
+    return [
+        c
+        for c in holding(read, object_uid)
+        if claims_watermark is None or not claims_watermark.passed(c.resource_version)
+    ]
+
+
 def holding(claims: Iterable[ClaimInfo], object_uid: str) -> list[ClaimInfo]:
     """Claims that still hold this incarnation of the object, read conservatively: any claim not
     being deleted and not pinned to another incarnation (the ledger's finer filters, such as who may

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import aiohttp
 
@@ -49,6 +49,12 @@ class Informer:
         self._known: dict[tuple[str, str], dict] = {}
         self._task: asyncio.Task | None = None
         self.watermark = Watermark()
+
+    def seed(self, objs: Iterable[dict]) -> None:
+        """What the handler already knows from an earlier list (the operator's sync): the first list
+        then reports whichever of them went meanwhile as DELETED, instead of leaving them known forever."""
+        for obj in objs:
+            self._known[(obj["metadata"].get("namespace", ""), obj["metadata"]["name"])] = obj
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"informer-{self.resource.plural}")

@@ -30,6 +30,7 @@ from gpuobj_operator.events import EventRecorder
 from gpuobj_operator.informer import Informer
 from gpuobj_operator.leader import LeaderElector, LeaseConfig
 from gpuobj_operator.metrics import OperatorMetrics
+from gpuobj_operator.model import ClaimInfo
 from gpuobj_operator.reconciler import LABEL_AGENT_SELECTOR, Reconciler
 
 log = logging.getLogger("gpuobj.operator")
@@ -243,6 +244,8 @@ async def run(args: argparse.Namespace) -> int:
     try:
         await reconciler.sync()
         pods.start()
+        # The claims the sync listed: the informer's first list reports those deleted since as DELETED.
+        claims.seed(_claim_stub(c) for c in list(reconciler.ledger.claims.values()))
         claims.start()
         reconciler.start()
         health.state = "leading"
@@ -295,6 +298,11 @@ async def run(args: argparse.Namespace) -> int:
         await health.stop()
         print("gpuobj operator: stopped", flush=True)
     return rc
+
+
+def _claim_stub(c: ClaimInfo) -> dict:
+    meta = {"namespace": c.namespace, "name": c.name, "uid": c.uid}
+    return {"metadata": meta, "spec": {"objectName": c.object_name}}
 
 
 def _install_signal_handlers(stop: asyncio.Event) -> None:

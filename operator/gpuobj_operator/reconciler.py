@@ -328,12 +328,10 @@ class Reconciler:
         if current is None or current.uid != a.uid:
             current = None
         seen_rv = current.resource_version if current is not None else None
-        how, held = await self._check_claims(a.key, a.uid, seen_rv)
-        if held:
-            now = time.monotonic()
-            for claim in held:
-                self.enqueue(self.ledger.upsert_claim(claim, now))
-            return  # the ledger now knows them; the object stays
+        how, blocking = await self._check_claims(a.key, a.uid, seen_rv)
+        if blocking:
+            self._decide_again_once_applied(a.key, blocking)
+            return  # a claim the ledger has not seen yet holds it
         if current is not None and self.ledger.live_claims(current):
             return  # the ledger learned of a claim since it decided; it decides again
         checked = time.monotonic()
@@ -399,7 +397,7 @@ class Reconciler:
         if how is claimcheck.Plan.LEDGER:
             return how, []
         if how is claimcheck.Plan.LATEST or self.claims_watermark is None or seen_rv is None:
-            return how, claimcheck.holding(await self._read_claims(key, None), uid)
+            return how, claimcheck.blocking(await self._read_claims(key, None), uid, self.claims_watermark)
         passed = self.claims_watermark.reached(seen_rv)
         read: asyncio.Task | None = None
         try:
@@ -411,13 +409,23 @@ class Reconciler:
             if passed.done() and not passed.cancelled():
                 return claimcheck.Plan.LEDGER, []  # the ledger holds every claim up to seen_rv
             assert read is not None
-            return how, claimcheck.holding(read.result(), uid)
+            return how, claimcheck.blocking(read.result(), uid, self.claims_watermark)
         finally:
             passed.cancel()
             if read is not None and not read.done():
                 read.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await read
+
+    def _decide_again_once_applied(self, key: Key, claims: list) -> None:
+        """Re-decide the object once the claims watch has applied these claims' versions (the ledger
+        then knows them, or their deletion); without a watch to wait on, after a second."""
+        revisions = [int(c.resource_version) for c in claims if c.resource_version.isdigit()]
+        if self.claims_watermark is None or len(revisions) < len(claims):
+            self.queue.add_after(("object", key), 1.0)
+            return
+        applied = self.claims_watermark.reached(str(max(revisions)))
+        applied.add_done_callback(lambda f: None if f.cancelled() else self.queue.add(("object", key), urgent=True))
 
     async def _read_claims(self, key: Key, at: str | None) -> list:
         """The object's claims at exactly ``at`` (or, without it or once compacted away, a consistent read)."""

@@ -56,6 +56,20 @@ def test_holding_counts_every_claim_not_deleting_and_not_pinned_elsewhere() -> N
     assert claimcheck.holding([], "obj-1") == []
 
 
+def test_a_read_blocks_only_with_claims_the_watch_has_not_applied_yet() -> None:
+    def c(name: str, rv: str, **kw) -> ClaimInfo:
+        return ClaimInfo("ns", name, f"u-{name}", object_name="w", resource_version=rv, **kw)
+
+    read = [c("new", "120"), c("seen", "90"), c("seen-then-deleted", "95"), c("going", "130", deleting=True)]
+    mark = Watermark()
+    mark.observe("100")
+    # "seen..." the ledger already weighed (it may know they were deleted since: a read at an older
+    # version still shows them); "new" it has not: that one stops the free until the watch applies it.
+    assert [x.name for x in claimcheck.blocking(read, "obj-1", mark)] == ["new"]
+    assert [x.name for x in claimcheck.blocking(read, "obj-1", None)] == ["new", "seen", "seen-then-deleted"]
+    assert [x.name for x in claimcheck.blocking(read, "obj-1", Watermark())] == ["new", "seen", "seen-then-deleted"]
+
+
 # ------------------------------------------------------------------ the informer that moves it
 
 
@@ -152,6 +166,21 @@ def test_a_handler_that_fails_makes_the_informer_list_again_and_never_skip_the_e
     assert kube.lists == 2
     assert informer.watermark.revision == 10
     assert kube.watched_from == ["10", "10"]
+
+
+def test_seeded_claims_missing_from_the_first_list_are_reported_deleted() -> None:
+    seen: list[tuple[str | None, str]] = []
+    kube = ScriptedKube([_claim("kept", "7")], "10", [])
+    informer = Informer(kube, CLAIMS, lambda kind, obj: seen.append((kind, obj["metadata"]["name"])), retry_delay=0)  # type: ignore[arg-type]
+    informer.seed([_claim("kept", "7"), _claim("gone-meanwhile", "8")])
+
+    async def go() -> None:
+        informer.start()
+        await asyncio.wait_for(kube.done.wait(), timeout=5)
+        await informer.stop()
+
+    asyncio.run(go())
+    assert seen == [(None, "kept"), ("DELETED", "gone-meanwhile")]
 
 
 def test_a_gone_watch_lists_again_from_scratch() -> None:
