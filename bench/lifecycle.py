@@ -584,12 +584,12 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
 def recorded_steps(samples: list[dict], operator_lines) -> dict:
     """Where a recorded free's time goes, per step (median and p99, ms), from monotonic stamps (one
     clock for every process here): the workload's release call and its DELETE answered, the operator's
-    "freed ..." log line (it saw the last reference go, decided, checked the claims, sent the free),
+    "freeing ..." log line (it saw the last reference go, decided, checked the claims, sends the free),
     and the source's free returned."""
     import re
 
     rx = re.compile(
-        r"freed \S+ \(object (\S+),.*: \S+; claims by (\w+); seen t=([\d.]+), decided \+([\d.]+) ms, "
+        r"freeing \S+ \(object (\S+),.*; claims by (\w+); seen t=([\d.]+), decided \+([\d.]+) ms, "
         r"checked \+([\d.]+) ms"
     )
     op: dict[str, tuple[str, float, float, float]] = {}

@@ -335,7 +335,20 @@ class Reconciler:
         if current is not None and self.ledger.live_claims(current):
             return  # the ledger learned of a claim since it decided; it decides again
         checked = time.monotonic()
-        # 2. Free on the source agent (idempotent there).
+        # 2. Free on the source agent (idempotent there). Monotonic stamps (one clock per machine) say
+        # where a free's time goes: bench/lifecycle.py reads them.
+        gone_at = self.ledger.ref_gone_at.get(a.key, decided)
+        log.info(
+            "freeing %s/%s (object %s, %d bytes) on %s; claims by %s; seen t=%.6f, decided +%.2f ms, checked +%.2f ms",
+            *a.key,
+            a.object_id,
+            a.bytes,
+            a.endpoint,
+            how.value,
+            gone_at,
+            (decided - gone_at) * 1000,
+            (checked - gone_at) * 1000,
+        )
         started = time.monotonic()
         try:
             result = await self.agents.free(a.endpoint, a.object_id, reason=a.reason, pod_uid=a.pod_uid)
@@ -350,22 +363,6 @@ class Reconciler:
             self.metrics.free_failures.labels("unreachable").inc()
             raise RetryLater(f"agent at {a.endpoint} unreachable: {exc}") from exc
         acked = time.monotonic()
-        gone_at = self.ledger.ref_gone_at.get(a.key, decided)
-        # Monotonic stamps (one clock per machine): where a free's time goes (bench/lifecycle.py reads it).
-        log.info(
-            "freed %s/%s (object %s, %d bytes) on %s: %s; claims by %s; seen t=%.6f, decided +%.2f ms, "
-            "checked +%.2f ms, acked +%.2f ms",
-            *a.key,
-            a.object_id,
-            a.bytes,
-            a.endpoint,
-            outcome,
-            how.value,
-            gone_at,
-            (decided - gone_at) * 1000,
-            (checked - gone_at) * 1000,
-            (acked - gone_at) * 1000,
-        )
         # 3. Let the API server finish the deletion.
         current = self.ledger.objects.get(a.key)
         known = current.finalizers if current is not None and current.uid == a.uid else None
