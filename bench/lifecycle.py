@@ -426,6 +426,15 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
     from gpuobj_dev.testing.pods import create_agent_pod
     from gpuobj_dev.testing.workload import WorkloadProcess, free_port
 
+    if args.apiserver_arg:  # an experiment on the API server's side (e.g. the claims watch cache off)
+        spawn = DevCluster._spawn
+
+        def _spawn(self, state, name, argv, *a, **kw):  # type: ignore[no-untyped-def]
+            return spawn(
+                self, state, name, [*argv, *args.apiserver_arg] if name == "kube-apiserver" else argv, *a, **kw
+            )
+
+        DevCluster._spawn = _spawn  # type: ignore[method-assign]
     state = Path(tempfile.mkdtemp(prefix="gpuobj-bench-"))
     cluster = DevCluster(state, tie_to_parent=True, log=lambda m: print(f"# {m}", file=sys.stderr, flush=True))
     handle = ClusterHandle(cluster, cluster.up())
@@ -446,7 +455,7 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
                 op_creds.agent_token.with_name("kubeconfig"),
                 op_creds.agent_token,
                 lease_namespace=NAMESPACE,
-                extra_args=["--namespace", NAMESPACE],
+                extra_args=["--namespace", NAMESPACE, *args.operator_arg],
             )
             .start()
             .wait_ready()
@@ -718,6 +727,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only the recorded-object frees: no table sizes, pairs, burst or Ray (a short run)",
     )
+    parser.add_argument(
+        "--apiserver-arg",
+        action="append",
+        default=[],
+        help="extra kube-apiserver flag for gpuobj's side, e.g. --apiserver-arg=--watch-cache-sizes=gpuobjectclaims.gpuobj.io#0",
+    )
+    parser.add_argument(
+        "--operator-arg",
+        action="append",
+        default=[],
+        help="extra operator flag, e.g. --operator-arg=--claims-read-delay=0",
+    )
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray RDT side")
     parser.add_argument("--side", choices=["ray", "gpuobj"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -734,8 +755,11 @@ def main(argv: list[str] | None = None) -> int:
         "--pairs", str(args.pairs),
         "--burst", str(args.burst), "--window", str(args.window), "--recorded", str(args.recorded),
         *(["--recorded-only"] if args.recorded_only else []),
+        *[f"--apiserver-arg={a}" for a in args.apiserver_arg], *[f"--operator-arg={a}" for a in args.operator_arg],
     ]  # fmt: skip
     print(f"# {os.cpu_count()} CPUs, load {load()} before the run", flush=True)
+    if args.apiserver_arg or args.operator_arg:
+        print(f"# gpuobj side with kube-apiserver {args.apiserver_arg}, operator {args.operator_arg}", flush=True)
     ray: dict | str = "skipped (--no-ray)"
     if not args.no_ray:
         try:

@@ -89,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="seconds between probes of each agent (GET /v1/info; backs off while one fails); 0 disables",
     )
+    p.add_argument(
+        "--claims-read-delay",
+        type=float,
+        default=0.005,
+        help="seconds a free waits for the claims watch to pass the deletion before it also reads the claims "
+        "(a read waits for the API server's claims watch cache anyway, 40-100 ms, unless that is off; see "
+        "docs/operator-free-path.md)",
+    )
     p.add_argument("--log-level", default=env("GPUOBJ_LOG_LEVEL", "INFO"))
     return p
 
@@ -238,6 +246,7 @@ async def run(args: argparse.Namespace) -> int:
     # read once every claim event up to the object's deletion is in the ledger (claimcheck.py).
     claims = Informer(kube, CLAIMS, reconciler.on_claim, namespace=args.namespace)
     reconciler.claims_watermark = claims.watermark
+    reconciler.claims_read_delay = args.claims_read_delay
     rc = 0
     kopf_stop = asyncio.Event()
     operator: asyncio.Task | None = None
