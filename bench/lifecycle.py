@@ -731,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
         "--apiserver-arg",
         action="append",
         default=[],
-        help="extra kube-apiserver flag for gpuobj's side, e.g. --apiserver-arg=--watch-cache-sizes=gpuobjectclaims.gpuobj.io#0",
+        help="extra kube-apiserver flag (gpuobj side), e.g. --watch-cache-sizes=gpuobjectclaims.gpuobj.io#0",
     )
     parser.add_argument(
         "--operator-arg",
