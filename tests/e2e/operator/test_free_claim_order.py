@@ -21,10 +21,11 @@ from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.operator import OperatorProcess
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, KubeClient, wait_for
 from gpuobj_kube.config import from_kubeconfig
+from gpuobj_operator.actions import Free
 from gpuobj_operator.agent_client import AgentClient
 from gpuobj_operator.claimcheck import Watermark
+from gpuobj_operator.decisions import decide
 from gpuobj_operator.events import EventRecorder
-from gpuobj_operator.ledger import Free
 from gpuobj_operator.metrics import OperatorMetrics
 from gpuobj_operator.reconciler import Reconciler
 from tests.e2e.operator.conftest import Pods, kube
@@ -69,7 +70,7 @@ def test_the_free_path_sees_a_claim_made_before_the_deletion_that_its_watch_has_
 
                 # The objects watch delivered the deletion; the claims watch has not delivered the claim.
                 r.on_object("MODIFIED", deleting)
-                actions = r.ledger.decide("object", (namespace, "w"), dt.datetime.now(dt.UTC))
+                actions = decide(r.ledger, "object", (namespace, "w"), dt.datetime.now(dt.UTC))
                 assert any(isinstance(a, Free) for a in actions), actions  # the ledger alone would free
                 for action in actions:
                     await r.execute(action)
@@ -84,7 +85,7 @@ def test_the_free_path_sees_a_claim_made_before_the_deletion_that_its_watch_has_
                 await asyncio.sleep(0)  # the watermark's callback runs
                 assert len(r.queue) == 1 and ("object", (namespace, "w")) == await r.queue.get()
                 r.on_claim("ADDED", claim)
-                held = r.ledger.decide("object", (namespace, "w"), dt.datetime.now(dt.UTC))
+                held = decide(r.ledger, "object", (namespace, "w"), dt.datetime.now(dt.UTC))
                 assert not any(isinstance(a, Free) for a in held), held
 
                 # The reader fetches the right bytes under its claim, then releases: the last reference.
@@ -96,7 +97,7 @@ def test_the_free_path_sees_a_claim_made_before_the_deletion_that_its_watch_has_
                 gone = await api.list(CLAIMS, namespace)
                 r.on_claim("DELETED", claim)
                 mark.observe(gone["metadata"]["resourceVersion"])  # the watch has passed the deletion
-                actions = r.ledger.decide("object", (namespace, "w"), dt.datetime.now(dt.UTC))
+                actions = decide(r.ledger, "object", (namespace, "w"), dt.datetime.now(dt.UTC))
                 assert any(isinstance(a, Free) for a in actions), actions
                 for action in actions:
                     await r.execute(action)  # from the ledger: no claims read needed any more
