@@ -1,9 +1,10 @@
 """Execute the ledger's decisions against the API server and the agents.
 
 Why here and not in the ledger: this is the I/O edge. Every action is idempotent and
-re-checked against fresh state where a mistake would cost bytes (a free re-lists
-the object's claims first, from the API server's watch cache once it has reached the
-version the decision saw), so a restart at any point loses nothing and frees nothing twice.
+re-checked against fresh state where a mistake would cost bytes (a free first makes sure
+it has every claim up to the version the decision saw: from the in-order claims watch, or
+a read at exactly that version; claimcheck.py), so a restart at any point loses nothing and
+frees nothing twice.
 """
 
 from __future__ import annotations
