@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import statistics
+from collections import deque
 from collections.abc import Iterable
 
 from gpuobj_operator.model import ClaimInfo
@@ -83,6 +85,28 @@ class Watermark:
         """Whether everything up to and including ``rv`` has been applied."""
         revision = _revision(rv)
         return revision is not None and self.revision is not None and self.revision >= revision
+
+
+class ReadDelay:
+    """How long a free waits for the claims watch before it also reads: worth it only while reads are
+    slow (an API server with a claims watch cache makes them wait 40-100 ms; the wait then saves a read
+    whenever claims change). Once recent reads answer fast (no such cache), reading at once is cheaper."""
+
+    def __init__(self, configured: float, *, fast: float = 0.010, window: int = 16, least: int = 4) -> None:
+        self.configured = configured
+        self.fast = fast
+        self.least = least
+        self._reads: deque[float] = deque(maxlen=window)
+
+    def observe(self, seconds: float) -> None:
+        """A read of claims that completed, and how long it took."""
+        self._reads.append(seconds)
+
+    @property
+    def seconds(self) -> float:
+        if len(self._reads) >= self.least and statistics.median(self._reads) < self.fast:
+            return 0.0
+        return self.configured
 
 
 def plan(seen_rv: str | None, claims_watermark: Watermark | None) -> Plan:

@@ -93,9 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--claims-read-delay",
         type=float,
         default=0.005,
-        help="seconds a free waits for the claims watch to pass the deletion before it also reads the claims "
-        "(a read waits for the API server's claims watch cache anyway, 40-100 ms, unless that is off; see "
-        "docs/operator-free-path.md)",
+        help="seconds a free waits for the claims watch to pass the deletion before it also reads the claims, "
+        "while such reads are slow (an API server's claims watch cache makes them wait 40-100 ms); none once "
+        "they answer fast (docs/operator-free-path.md)",
     )
     p.add_argument("--log-level", default=env("GPUOBJ_LOG_LEVEL", "INFO"))
     return p

@@ -75,7 +75,8 @@ class Reconciler:
     _executors: ClassVar[dict[type[Action], Callable[[Reconciler, Any], Awaitable[None]]]]
     # The in-order claims watch's progress (main.py wires the claims Informer's); None: always read.
     claims_watermark: claimcheck.Watermark | None = None
-    claims_read_delay = 0.005  # seconds a free waits for that watch before it reads the claims
+    claims_read_delay = 0.005  # seconds a free waits for that watch before it reads the claims, while reads are slow
+    _claims_reads: claimcheck.ReadDelay | None = None
 
     def __init__(
         self,
@@ -394,23 +395,29 @@ class Reconciler:
         """Claims that still hold the object as of ``seen_rv``, and how that was learned (claimcheck.py).
 
         Behind the decision, the in-order claims watch usually passes it within milliseconds while
-        claims change; so wait ``claims_read_delay`` for it before reading, and take whichever of the
-        watch and the read answers first (an idle watch only learns of progress from the API server's
-        own clock, every 40-100 ms, which is what a read then waits for too).
+        claims change; so wait ``claims_read_delay`` for it before reading (not once reads answer fast:
+        claimcheck.ReadDelay), and take whichever of the watch and the read answers first. A read waits,
+        on an API server with a claims watch cache, until that cache learns it is current: 40-100 ms.
         """
         how = claimcheck.plan(seen_rv, self.claims_watermark)
         if how is claimcheck.Plan.LEDGER:
             return how, []
         if how is claimcheck.Plan.LATEST or self.claims_watermark is None or seen_rv is None:
             return how, claimcheck.blocking(await self._read_claims(key, None), uid, self.claims_watermark)
+        if self._claims_reads is None:
+            self._claims_reads = claimcheck.ReadDelay(self.claims_read_delay)
         passed = self.claims_watermark.reached(seen_rv)
         read: asyncio.Task | None = None
         try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(passed), self.claims_read_delay)
+            if self._claims_reads.seconds > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(passed), self._claims_reads.seconds)
             if not passed.done():
+                started = time.monotonic()
                 read = asyncio.ensure_future(self._read_claims(key, seen_rv))
                 await asyncio.wait({passed, read}, return_when=asyncio.FIRST_COMPLETED)
+                if read.done() and not read.cancelled() and read.exception() is None:
+                    self._claims_reads.observe(time.monotonic() - started)
             if passed.done() and not passed.cancelled():
                 return claimcheck.Plan.LEDGER, []  # the ledger holds every claim up to seen_rv
             assert read is not None

@@ -206,3 +206,16 @@ def test_waiting_for_the_watermark_ends_once_it_passed_and_never_on_an_unparsabl
         return already, early, later.done(), never.done()
 
     assert asyncio.run(go()) == (True, False, True, False)
+
+
+def test_the_read_delay_goes_once_reads_answer_fast_and_comes_back_when_they_slow() -> None:
+    delay = claimcheck.ReadDelay(0.005, fast=0.010, window=8, least=4)
+    assert delay.seconds == 0.005  # nothing known: wait for the watch first
+    for _ in range(3):
+        delay.observe(0.002)
+    assert delay.seconds == 0.005  # too few reads to judge
+    delay.observe(0.002)
+    assert delay.seconds == 0.0  # reads answer fast (no claims watch cache): read at once
+    for _ in range(5):
+        delay.observe(0.070)  # a watch cache again: reads wait for it
+    assert delay.seconds == 0.005
