@@ -424,7 +424,7 @@ class Reconciler:
             return how, claimcheck.blocking(read.result(), uid, self.claims_watermark)
         finally:
             passed.cancel()
-            if read is not None and not read.done():
+            if read is not None:  # not needed any more: stop it, and never leave its error unretrieved
                 read.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await read
