@@ -18,7 +18,9 @@ Columns: cycles/s with a persistent tensor (the same one every cycle) and a fres
 timestamps, not histogram buckets) p50/p99 per size, API writes per cycle (kube-apiserver's
 own ``apiserver_request_total`` delta, every client included), and 4 producer/reader pairs at
 once (aggregate cycles/s). Then a burst: 2 clients x N short-lived 4 KiB objects (32 in
-flight each): frees/s, free p99 and API requests per object. The machine's load is printed.
+flight each): frees/s, free p99 and API requests per object. Recorded frees (objects that outlive
+the write window, freed by the operator), with the owner's or the reader's release last, per step
+(``--recorded N``; ``--recorded-only`` for just these). The machine's load is printed.
 
     make bench
     .venv/bin/python bench/lifecycle.py --cycles 200 --sizes 4096 1048576 67108864 [--no-ray]
