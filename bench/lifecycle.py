@@ -18,7 +18,9 @@ Columns: cycles/s with a persistent tensor (the same one every cycle) and a fres
 timestamps, not histogram buckets) p50/p99 per size, API writes per cycle (kube-apiserver's
 own ``apiserver_request_total`` delta, every client included), and 4 producer/reader pairs at
 once (aggregate cycles/s). Then a burst: 2 clients x N short-lived 4 KiB objects (32 in
-flight each): frees/s, free p99 and API requests per object. The machine's load is printed.
+flight each): frees/s, free p99 and API requests per object. Recorded frees (objects that outlive
+the write window, freed by the operator), with the owner's or the reader's release last, per step
+(``--recorded N``; ``--recorded-only`` for just these). The machine's load is printed.
 
     make bench
     .venv/bin/python bench/lifecycle.py --cycles 200 --sizes 4096 1048576 67108864 [--no-ray]
@@ -306,21 +308,46 @@ def cycles(size, n, fresh, reader, reader_uid):
     breakdown.update({f"reader {k}": v / n * 1000 for k, v in zip(("adopt+fetch", "verify", "release"), rsteps)})
     return rate, lat, breakdown
 
-def recorded_frees(n, reader, reader_uid):
-    # Objects that outlive the write window: recorded, and freed by the operator.
-    lat = []
+from gpuobj_kube.client import KubeClient as _KubeClient
+_orig_delete = _KubeClient.delete
+deleted_at = {}
+
+async def _observed_delete(self, res, name, *a, **kw):
+    out = await _orig_delete(self, res, name, *a, **kw)
+    deleted_at[(res.plural, name)] = time.monotonic()  # the API server answered this DELETE
+    return out
+
+_KubeClient.delete = _observed_delete
+
+def recorded_frees(n, reader, reader_uid, reader_last=False):
+    # Objects that outlive the write window: recorded, and freed by the operator. Either the owner's
+    # release is the last (the reader fetched and released first; its claim's DELETE answered) or the
+    # reader's is (the owner released first; the reader's claim DELETE is the last reference going).
+    out = []
     for i in range(n):
         ref = client.put([torch.full((1024,), 7.0)])
         shared = client.share(ref, reader, pod_uid=reader_uid)
-        _f.write(base64.b64encode(pickle.dumps((shared, 7.0))) + b"\n")
+        _f.write(base64.b64encode(pickle.dumps((shared, 7.0) + ((True,) if reader_last else ()))) + b"\n")
         _f.flush()
         assert _f.readline().split()[0] == b"1"
         client.flush()
         oid = ref.address.object_id
-        t_release = time.monotonic()
-        client.release(ref)
-        lat.append(wait_freed(oid) - t_release)
-    return lat
+        if reader_last:
+            client.release(ref)
+            client.flush()
+            _f.write(b"release %s\n" % oid.encode())
+            _f.flush()
+            t_release = float(_f.readline())
+            key = ("gpuobjectclaims", shared.claim_name)
+        else:
+            key = ("gpuobjects", ref.name)
+            t_release = time.monotonic()
+            client.release(ref)
+        t_freed = wait_freed(oid)
+        client.flush()
+        out.append({"object_id": oid, "release": t_release, "deleted": deleted_at.pop(key, None), "freed": t_freed})
+        deleted_at.clear()
+    return out
 
 def burst(n, inflight=32):
     async def run():
@@ -347,18 +374,31 @@ _srv.bind(("127.0.0.1", 0))
 _srv.listen()
 reader_port = _srv.getsockname()[1]
 
+_held = {}
+
 def _handle(conn):
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     f = conn.makefile("rwb")
     while line := f.readline():
-        shared, value = pickle.loads(base64.b64decode(line))
+        if line.startswith(b"release "):  # the reader's reference is the last to go: release it now
+            h = _held.pop(line.split()[1].decode())
+            t_release = time.monotonic()
+            client.release(h)
+            del h
+            f.write(b"%f\n" % t_release)
+            f.flush()
+            continue
+        shared, value, *hold = pickle.loads(base64.b64decode(line))
         t0 = time.monotonic()
         h = client.adopt(shared)
         t = client.fetch(h)[0]
         t1 = time.monotonic()
         ok = bool((t[::4096] == value).all() and t[0] == value and t[-1] == value)
         t2 = time.monotonic()
-        client.release(h)
+        if hold:
+            _held[shared.address.object_id] = h
+        else:
+            client.release(h)
         del t, h
         t3 = time.monotonic()
         f.write(b"%d %f %f %f\n" % (ok, t1 - t0, t2 - t1, t3 - t2))
@@ -388,6 +428,15 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
     from gpuobj_dev.testing.pods import create_agent_pod
     from gpuobj_dev.testing.workload import WorkloadProcess, free_port
 
+    if args.apiserver_arg:  # an experiment on the API server's side (e.g. the claims watch cache off)
+        spawn = DevCluster._spawn
+
+        def _spawn(self, state, name, argv, *a, **kw):  # type: ignore[no-untyped-def]
+            return spawn(
+                self, state, name, [*argv, *args.apiserver_arg] if name == "kube-apiserver" else argv, *a, **kw
+            )
+
+        DevCluster._spawn = _spawn  # type: ignore[method-assign]
     state = Path(tempfile.mkdtemp(prefix="gpuobj-bench-"))
     cluster = DevCluster(state, tie_to_parent=True, log=lambda m: print(f"# {m}", file=sys.stderr, flush=True))
     handle = ClusterHandle(cluster, cluster.up())
@@ -408,7 +457,7 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
                 op_creds.agent_token.with_name("kubeconfig"),
                 op_creds.agent_token,
                 lease_namespace=NAMESPACE,
-                extra_args=["--namespace", NAMESPACE],
+                extra_args=["--namespace", NAMESPACE, *args.operator_arg],
             )
             .start()
             .wait_ready()
@@ -471,7 +520,16 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
                 }
                 print(f"# gpuobj {human(size)} {policy}: {rate:.1f} cycles/s", file=sys.stderr, flush=True)
             out["rows"][str(size)] = row
-        out["recorded_free_ms"] = [x * 1000 for x in src.eval(f"recorded_frees(30, {rname!r}, {ruid!r})", timeout=600)]
+        if args.recorded:
+            out["recorded"] = {}
+            for order in ("owner last", "reader last"):
+                samples = src.eval(
+                    f"recorded_frees({args.recorded}, {rname!r}, {ruid!r}, {order == 'reader last'})", timeout=1800
+                )
+                out["recorded"][order] = {
+                    "free_ms": [(x["freed"] - x["release"]) * 1000 for x in samples],
+                    "steps": recorded_steps(samples, operator.lines),
+                }
         out["stats"] = src.eval("client.write_stats()")
         if args.pairs > 1:
             pairs = [(src, rname, ruid)] + [make_pair(k) for k in range(1, args.pairs)]
@@ -534,6 +592,44 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
         cluster.down(quiet=True)
 
 
+def recorded_steps(samples: list[dict], operator_lines) -> dict:
+    """Where a recorded free's time goes, per step (median and p99, ms), from monotonic stamps (one
+    clock for every process here): the workload's release call and its DELETE answered, the operator's
+    "freeing ..." log line (it saw the last reference go, decided, checked the claims, sends the free),
+    and the source's free returned."""
+    import re
+
+    rx = re.compile(
+        r"freeing \S+ \(object (\S+),.*; claims by (\w+); seen t=([\d.]+), decided \+([\d.]+) ms, "
+        r"checked \+([\d.]+) ms"
+    )
+    op: dict[str, tuple[str, float, float, float]] = {}
+    for line in list(operator_lines):
+        m = rx.search(line)
+        if m:
+            seen = float(m.group(3))
+            op[m.group(1)] = (m.group(2), seen, seen + float(m.group(4)) / 1000, seen + float(m.group(5)) / 1000)
+    steps: dict[str, list[float]] = {
+        "release call -> DELETE answered": [],
+        "DELETE answered -> operator saw it": [],
+        "saw -> decided (work queue)": [],
+        "decided -> claims checked": [],
+        "checked -> freed in the source": [],
+    }
+    how: dict[str, int] = {}
+    for x in samples:
+        o = op.get(x["object_id"])
+        if o is None or x["deleted"] is None:
+            continue
+        plan, seen, decided, checked = o
+        how[plan] = how.get(plan, 0) + 1
+        stamps = (x["release"], x["deleted"], seen, decided, checked, x["freed"])
+        for key, a, b in zip(steps, stamps, stamps[1:], strict=False):
+            steps[key].append((b - a) * 1000)
+    table = {k: {"p50": pct(v, 0.5), "p99": pct(v, 0.99)} for k, v in steps.items()}
+    return {"steps": table, "claims_checked_by": how, "matched": len(steps["saw -> decided (work queue)"])}
+
+
 # ------------------------------------------------------------------------------------ the table
 
 
@@ -590,11 +686,15 @@ def report(ray: dict | str, ours: dict | str, sizes: list[int]) -> None:
                 f"{ratio}{scale}"
             )
     if isinstance(ours, dict):
-        rec = ours.get("recorded_free_ms") or []
-        print(
-            f"gpuobj free latency of recorded objects (outlived the window; freed by the operator): "
-            f"p50 {pct(rec, 0.5):.1f} ms, p99 {pct(rec, 0.99):.1f} ms ({len(rec)} samples)"
-        )
+        for order, rec in (ours.get("recorded") or {}).items():
+            ms, rs = rec["free_ms"], rec["steps"]
+            print(
+                f"gpuobj free latency of recorded objects ({order}; freed by the operator): "
+                f"p50 {pct(ms, 0.5):.1f} ms, p99 {pct(ms, 0.99):.1f} ms ({len(ms)} samples)"
+            )
+            print(f"  per step, p50 / p99 ms ({rs['matched']} matched; claims checked by {rs['claims_checked_by']}):")
+            for step, v in rs["steps"].items():
+                print(f"    {step:<36} {v['p50']:7.2f} / {v['p99']:7.2f}")
         print(f"gpuobj write-behind: {ours.get('stats')}")
         b = ours.get("burst")
         if b:
@@ -621,19 +721,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=4, help="producer/reader pairs for the concurrency column")
     parser.add_argument("--burst", type=int, default=1000, help="short-lived objects per client in the burst (0: skip)")
     parser.add_argument("--window", type=float, default=0.1, help="gpuobj's write-behind window, seconds")
+    parser.add_argument(
+        "--recorded", type=int, default=200, help="recorded-object frees to time (outlive the window; 0: skip)"
+    )
+    parser.add_argument(
+        "--recorded-only",
+        action="store_true",
+        help="only the recorded-object frees: no table sizes, pairs, burst or Ray (a short run)",
+    )
+    parser.add_argument(
+        "--apiserver-arg",
+        action="append",
+        default=[],
+        help="extra kube-apiserver flag (gpuobj side), e.g. --watch-cache-sizes=gpuobjectclaims.gpuobj.io#0",
+    )
+    parser.add_argument(
+        "--operator-arg",
+        action="append",
+        default=[],
+        help="extra operator flag, e.g. --operator-arg=--claims-read-delay=0",
+    )
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray RDT side")
     parser.add_argument("--side", choices=["ray", "gpuobj"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.recorded_only:
+        args.sizes, args.pairs, args.burst, args.no_ray = [], 1, 0, True
+        args.recorded = args.recorded or 200
     if args.side:
         result = ray_side(args) if args.side == "ray" else gpuobj_side(args)
         Path(args.out).write_text(json.dumps(result))
         return 0
     passthrough = [
-        "--cycles", str(args.cycles), "--sizes", *map(str, args.sizes), "--pairs", str(args.pairs),
-        "--burst", str(args.burst), "--window", str(args.window),
+        "--cycles", str(args.cycles), *(["--sizes", *map(str, args.sizes)] if args.sizes else []),
+        "--pairs", str(args.pairs),
+        "--burst", str(args.burst), "--window", str(args.window), "--recorded", str(args.recorded),
+        *(["--recorded-only"] if args.recorded_only else []),
+        *[f"--apiserver-arg={a}" for a in args.apiserver_arg], *[f"--operator-arg={a}" for a in args.operator_arg],
     ]  # fmt: skip
     print(f"# {os.cpu_count()} CPUs, load {load()} before the run", flush=True)
+    if args.apiserver_arg or args.operator_arg:
+        print(f"# gpuobj side with kube-apiserver {args.apiserver_arg}, operator {args.operator_arg}", flush=True)
     ray: dict | str = "skipped (--no-ray)"
     if not args.no_ray:
         try:

@@ -220,11 +220,16 @@ class KubeClient:
         field_selector: str | None = None,
         limit: int | None = None,
         not_older_than: str | None = None,
+        exact: str | None = None,
     ) -> dict:
         """List all pages; the result's metadata.resourceVersion is the last page's (good for a watch).
 
         ``not_older_than``: a resourceVersion; the API server may answer from its watch cache once
-        that cache has reached it (no quorum read from etcd), and never from an older state."""
+        that cache has reached it (no quorum read from etcd), and never from an older state.
+        ``exact``: the state at exactly that resourceVersion (Gone once etcd compacted it away)."""
+        if not_older_than and exact:
+            raise ValueError("list: not_older_than and exact exclude each other")
+        version, match = (exact, "Exact") if exact else (not_older_than, "NotOlderThan" if not_older_than else None)
         items: list[dict] = []
         cont: str | None = None
         while True:
@@ -236,8 +241,8 @@ class KubeClient:
                     "fieldSelector": field_selector,
                     "limit": limit,
                     "continue": cont,
-                    "resourceVersion": not_older_than if cont is None else None,
-                    "resourceVersionMatch": "NotOlderThan" if not_older_than and cont is None else None,
+                    "resourceVersion": version if cont is None else None,
+                    "resourceVersionMatch": match if cont is None else None,
                 },
             )
             items.extend(page.get("items", []))

@@ -24,7 +24,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpuobj_contract import names
-from gpuobj_kube.client import PODS, KubeClient
+from gpuobj_kube.client import CLAIMS, PODS, KubeClient
 from gpuobj_kube.config import KubeConfig
 from gpuobj_kube.config import load as load_config
 from gpuobj_operator.agent_client import AgentClient
@@ -32,6 +32,7 @@ from gpuobj_operator.events import EventRecorder
 from gpuobj_operator.informer import Informer
 from gpuobj_operator.leader import Backoff, LeaderElector, LeaseConfig
 from gpuobj_operator.metrics import OperatorMetrics
+from gpuobj_operator.model import ClaimInfo
 from gpuobj_operator.reconciler import LABEL_AGENT_SELECTOR, Reconciler
 
 log = logging.getLogger("gpuobj.operator")
@@ -89,6 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=1.0,
         help="seconds between probes of each agent (GET /v1/info; backs off while one fails); 0 disables",
+    )
+    p.add_argument(
+        "--claims-read-delay",
+        type=float,
+        default=0.005,
+        help="seconds a free waits for the claims watch to pass the deletion before it also reads the claims, "
+        "while such reads are slow (an API server's claims watch cache makes them wait 40-100 ms); none once "
+        "they answer fast (docs/operator-free-path.md)",
     )
     p.add_argument("--log-level", default=env("GPUOBJ_LOG_LEVEL", "INFO"))
     return p
@@ -153,10 +162,6 @@ def build_registry(reconciler: Reconciler, config: KubeConfig) -> kopf.OperatorR
     @kopf.on.event(names.GROUP, names.VERSION, names.PLURAL_OBJECT, registry=registry)
     def on_object(event, **_):
         reconciler.on_object(event["type"], event["object"])
-
-    @kopf.on.event(names.GROUP, names.VERSION, names.PLURAL_CLAIM, registry=registry)
-    def on_claim(event, **_):
-        reconciler.on_claim(event["type"], event["object"])
 
     @kopf.on.event(names.GROUP, names.VERSION, names.PLURAL_STREAM, registry=registry)
     def on_stream(event, **_):
@@ -292,6 +297,11 @@ async def lead(
     )
     reconciler_box[:] = [reconciler]
     pods = Informer(kube, PODS, reconciler.on_pod, namespace=args.namespace, label_selector=LABEL_AGENT_SELECTOR)
+    # Claims through our own in-order informer, not kopf: its watermark lets a free skip the claims
+    # read once every claim event up to the object's deletion is in the ledger (claimcheck.py).
+    claims = Informer(kube, CLAIMS, reconciler.on_claim, namespace=args.namespace)
+    reconciler.claims_watermark = claims.watermark
+    reconciler.claims_read_delay = args.claims_read_delay
     kopf_stop = asyncio.Event()
     operator: asyncio.Task | None = None
     # Renew from the start: a sync that outlives the lease must not leave it to lapse.
@@ -309,6 +319,9 @@ async def lead(
             log.warning("initial sync failed: %r", sync.exception())
             return "sync-failed"
         pods.start()
+        # The claims the sync listed: the informer's first list reports those deleted since as DELETED.
+        claims.seed(_claim_stub(c) for c in list(reconciler.ledger.claims.values()))
+        claims.start()
         reconciler.start()
         health.state = "leading"
         print("gpuobj operator: synced and reconciling", flush=True)
@@ -347,12 +360,18 @@ async def lead(
             await hold
         await reconciler.stop()
         await pods.stop()
+        await claims.stop()
         kopf_stop.set()
         if operator is not None:
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(operator, timeout=10)
         # kopf removes the signal handlers it installed on its way out: ours again.
         _install_signal_handlers(stop)
+
+
+def _claim_stub(c: ClaimInfo) -> dict:
+    meta = {"namespace": c.namespace, "name": c.name, "uid": c.uid}
+    return {"metadata": meta, "spec": {"objectName": c.object_name}}
 
 
 def _install_signal_handlers(stop: asyncio.Event) -> None:

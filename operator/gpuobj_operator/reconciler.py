@@ -1,9 +1,10 @@
 """Execute the ledger's decisions against the API server and the agents.
 
 Why here and not in the ledger: this is the I/O edge. Every action is idempotent and
-re-checked against fresh state where a mistake would cost bytes (a free re-lists
-the object's claims first, from the API server's watch cache once it has reached the
-version the decision saw), so a restart at any point loses nothing and frees nothing twice.
+re-checked against fresh state where a mistake would cost bytes (a free first makes sure
+it has every claim up to the version the decision saw: from the in-order claims watch, or
+a read at exactly that version; claimcheck.py), so a restart at any point loses nothing and
+frees nothing twice.
 """
 
 from __future__ import annotations
@@ -19,8 +20,19 @@ from typing import Any, ClassVar
 from gpuobj_contract import names
 from gpuobj_contract.agent_api import MaterializeRequest
 from gpuobj_contract.layouts import LayoutError, TensorLayout
-from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, ApiError, Conflict, Invalid, KubeClient, NotFound
-from gpuobj_operator import statuses
+from gpuobj_kube.client import (
+    CLAIMS,
+    GPUOBJECTS,
+    PODS,
+    STREAMS,
+    ApiError,
+    Conflict,
+    Gone,
+    Invalid,
+    KubeClient,
+    NotFound,
+)
+from gpuobj_operator import claimcheck, statuses
 from gpuobj_operator.actions import (
     Action,
     AddFinalizer,
@@ -62,6 +74,10 @@ class Reconciler:
     """Executes the ledger's actions against the API server and the agents; decides nothing itself."""
 
     _executors: ClassVar[dict[type[Action], Callable[[Reconciler, Any], Awaitable[None]]]]
+    # The in-order claims watch's progress (main.py wires the claims Informer's); None: always read.
+    claims_watermark: claimcheck.Watermark | None = None
+    claims_read_delay = 0.005  # seconds a free waits for that watch before it reads the claims, while reads are slow
+    _claims_reads: claimcheck.ReadDelay | None = None
 
     def __init__(
         self,
@@ -321,25 +337,35 @@ class Reconciler:
         if a.uid in self._freed:
             return  # freed already; the DELETED event is on its way
         self._must_lead()
-        # 1. Re-check the claims: the caches of two watches may disagree for a moment. Read from the
-        # API server's watch cache once it has reached the version at which we saw the object (every
-        # claim made before that is in it), not a quorum read from etcd per free.
+        decided = time.monotonic()
+        # 1. Re-check the claims: a claim made just before the deletion may not be in the ledger yet
+        # (two watches). See claimcheck.py: none needed once the in-order claims watch has passed the
+        # version the decision saw; else a read at exactly that version, raced against that watch.
         current = self.ledger.objects.get(a.key)
-        seen_rv = current.resource_version if current is not None and current.uid == a.uid else None
-        fresh = await self.kube.list(
-            CLAIMS, a.key[0], field_selector=f"spec.objectName={a.key[1]}", not_older_than=seen_rv or None
+        if current is None or current.uid != a.uid:
+            current = None
+        seen_rv = current.resource_version if current is not None else None
+        how, blocking = await self._check_claims(a.key, a.uid, seen_rv)
+        if blocking:
+            self._decide_again_once_applied(a.key, blocking)
+            return  # a claim the ledger has not seen yet holds it
+        if current is not None and self.ledger.live_claims(current):
+            return  # the ledger learned of a claim since it decided; it decides again
+        checked = time.monotonic()
+        # 2. Free on the source agent (idempotent there). Monotonic stamps (one clock per machine) say
+        # where a free's time goes: bench/lifecycle.py reads them.
+        gone_at = self.ledger.ref_gone_at.get(a.key, decided)
+        log.info(
+            "freeing %s/%s (object %s, %d bytes) on %s; claims by %s; seen t=%.6f, decided +%.2f ms, checked +%.2f ms",
+            *a.key,
+            a.object_id,
+            a.bytes,
+            a.endpoint,
+            how.value,
+            gone_at,
+            (decided - gone_at) * 1000,
+            (checked - gone_at) * 1000,
         )
-        now = time.monotonic()
-        live = []
-        for raw in fresh["items"]:
-            claim = parse_claim(raw)
-            if not claim.deleting and (not claim.object_uid or claim.object_uid == a.uid):
-                live.append(claim)
-                self.enqueue(self.ledger.upsert_claim(claim, now))
-        if live:
-            return  # the ledger now knows them; the object stays
-        # 2. Free on the source agent (idempotent there).
-        log.info("freeing %s/%s (object %s, %d bytes) on %s", *a.key, a.object_id, a.bytes, a.endpoint)
         started = time.monotonic()
         try:
             result = await self.agents.free(a.endpoint, a.object_id, reason=a.reason, pod_uid=a.pod_uid)
@@ -372,6 +398,66 @@ class Reconciler:
         else:
             message = f"agent at {a.endpoint} is gone; its memory went with it"
         self._emit("GPUObject", a.key, a.uid, "Normal", "Freed", message)
+
+    async def _check_claims(self, key: Key, uid: str, seen_rv: str | None) -> tuple[claimcheck.Plan, list]:
+        """Claims that still hold the object as of ``seen_rv``, and how that was learned (claimcheck.py).
+
+        Behind the decision, the in-order claims watch usually passes it within milliseconds while
+        claims change; so wait ``claims_read_delay`` for it before reading (not once reads answer fast:
+        claimcheck.ReadDelay), and take whichever of the watch and the read answers first. A read waits,
+        on an API server with a claims watch cache, until that cache learns it is current: 40-100 ms.
+        """
+        how = claimcheck.plan(seen_rv, self.claims_watermark)
+        if how is claimcheck.Plan.LEDGER:
+            return how, []
+        if how is claimcheck.Plan.LATEST or self.claims_watermark is None or seen_rv is None:
+            return how, claimcheck.blocking(await self._read_claims(key, None), uid, self.claims_watermark)
+        if self._claims_reads is None:
+            self._claims_reads = claimcheck.ReadDelay(self.claims_read_delay)
+        passed = self.claims_watermark.reached(seen_rv)
+        read: asyncio.Task | None = None
+        try:
+            if self._claims_reads.seconds > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(passed), self._claims_reads.seconds)
+            if not passed.done():
+                started = time.monotonic()
+                read = asyncio.ensure_future(self._read_claims(key, seen_rv))
+                await asyncio.wait({passed, read}, return_when=asyncio.FIRST_COMPLETED)
+                if read.done() and not read.cancelled() and read.exception() is None:
+                    self._claims_reads.observe(time.monotonic() - started)
+            if passed.done() and not passed.cancelled():
+                return claimcheck.Plan.LEDGER, []  # the ledger holds every claim up to seen_rv
+            assert read is not None
+            return how, claimcheck.blocking(read.result(), uid, self.claims_watermark)
+        finally:
+            passed.cancel()
+            if read is not None:  # not needed any more: stop it, and never leave its error unretrieved
+                read.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await read
+
+    def _decide_again_once_applied(self, key: Key, claims: list) -> None:
+        """Re-decide the object once the claims watch has applied these claims' versions (the ledger
+        then knows them, or their deletion); without a watch to wait on, after a second."""
+        revisions = [int(c.resource_version) for c in claims if c.resource_version.isdigit()]
+        if self.claims_watermark is None or len(revisions) < len(claims):
+            self.queue.add_after(("object", key), 1.0)
+            return
+        applied = self.claims_watermark.reached(str(max(revisions)))
+        applied.add_done_callback(lambda f: None if f.cancelled() else self.queue.add(("object", key), urgent=True))
+
+    async def _read_claims(self, key: Key, at: str | None) -> list:
+        """The object's claims at exactly ``at`` (or, without it or once compacted away, a consistent read)."""
+        selector = f"spec.objectName={key[1]}"
+        if at:
+            try:
+                listed = await self.kube.list(CLAIMS, key[0], field_selector=selector, exact=at)
+                return [parse_claim(raw) for raw in listed["items"]]
+            except Gone:
+                pass  # compacted: the current state is newer, and as safe
+        listed = await self.kube.list(CLAIMS, key[0], field_selector=selector)
+        return [parse_claim(raw) for raw in listed["items"]]
 
     async def _do_ReleaseWithoutFree(self, a: ReleaseWithoutFree) -> None:
         if a.uid in self._freed:
