@@ -127,18 +127,16 @@ class Client:
             write_behind = os.environ.get("GPUOBJ_WRITE_BEHIND", "1") not in ("0", "false", "no")
         wb_options: dict[str, Any] | None = None
         if write_behind:
+            if write_window is None:
+                write_window = _env_float("GPUOBJ_WRITE_WINDOW", DEFAULT_WINDOW)
+            if max_pending_writes is None:
+                max_pending_writes = int(_env_float("GPUOBJ_MAX_PENDING_WRITES", DEFAULT_MAX_PENDING))
+            if backpressure_timeout is None:
+                backpressure_timeout = _env_float("GPUOBJ_BACKPRESSURE_TIMEOUT", timeout)
             wb_options = {
-                "window": write_window
-                if write_window is not None
-                else _env_float("GPUOBJ_WRITE_WINDOW", DEFAULT_WINDOW),
-                "max_pending": int(
-                    max_pending_writes
-                    if max_pending_writes is not None
-                    else _env_float("GPUOBJ_MAX_PENDING_WRITES", DEFAULT_MAX_PENDING)
-                ),
-                "backpressure_timeout": backpressure_timeout
-                if backpressure_timeout is not None
-                else _env_float("GPUOBJ_BACKPRESSURE_TIMEOUT", timeout),
+                "window": write_window,
+                "max_pending": int(max_pending_writes),
+                "backpressure_timeout": backpressure_timeout,
             }
         self.core: ClientCore = self._loop.call(
             ClientCore.create(
