@@ -83,6 +83,9 @@ class Served(Protocol):
     def config(self) -> AgentConfig: ...  # the pod's namespace and uid
 
     @property
+    def incarnation(self) -> str: ...  # this process, as the operator records it
+
+    @property
     def tokens(self) -> Authenticator: ...
 
     @property
