@@ -40,7 +40,7 @@ async def put_many(n, width=16):
     tensor = torch.ones(16)
     async def one(i):
         async with sem:
-            ref = await client.aput_inner([tensor], name=f"s-{i}")
+            ref = await client.core.put([tensor], name=f"s-{i}")
             ref.detach()  # keep the GPUObject: this benchmark drops no reference
     await asyncio.gather(*(one(i) for i in range(n)))
 """
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         procs.append(src)
         src.run(PUT_MANY)
         t0 = time.perf_counter()
-        src.run(f"client._call(put_many({n}))", timeout=3600)
+        src.run(f"client.runner.call(put_many({n}), 'put many')", timeout=3600)
         print(f"# put {n} objects (agent put + GPUObject create) in {time.perf_counter() - t0:.1f}s", flush=True)
 
         extra = ["--namespace", NAMESPACE, "--lease-seconds", "5", "--audit-interval", "5", "--status-delay", "0"]

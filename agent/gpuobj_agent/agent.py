@@ -27,9 +27,10 @@ from gpuobj_agent.config import ALLOW_CMA_ENV, AgentConfig
 from gpuobj_agent.fencing import Fencer
 from gpuobj_agent.fetch import Fetcher
 from gpuobj_agent.metrics import AgentMetrics
+from gpuobj_agent.nixl_state import NixlState
 from gpuobj_agent.nixl_transport import NixlAgent
 from gpuobj_agent.server import build_app
-from gpuobj_agent.store import ObjectStore, _iso
+from gpuobj_agent.store import ObjectStore, iso_time
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +79,11 @@ class Agent:
         self._lifecycle = ThreadPoolExecutor(1, thread_name_prefix="gpuobj-nixl-lifecycle")
         self._transfers = ThreadPoolExecutor(max(1, config.transfer_threads), thread_name_prefix="gpuobj-nixl-xfer")
         self.metrics = AgentMetrics(lambda: self.store.levels())
-        self.store = ObjectStore(
-            config, self.metrics, base_name=self.base_name, incarnation=self.incarnation, control=self._control
-        )
+        # One NIXL state, handed to both the store (puts, frees) and the fencer (rotations, retirements).
+        self.nixl = NixlState(self.base_name, control=self._control, metrics=self.metrics)
+        self.store = ObjectStore(config, self.metrics, nixl=self.nixl, incarnation=self.incarnation)
         self.fencer = Fencer(
-            self.store, config, self.metrics, lifecycle=self._lifecycle, agent_factory=self._new_nixl_agent
+            self.store, self.nixl, config, self.metrics, lifecycle=self._lifecycle, agent_factory=self._new_nixl_agent
         )
         self.fetcher: Fetcher | None = None
         self.pool: LandingPool | None = None
@@ -154,8 +155,7 @@ class Agent:
         if not await store.wait_tickets(lambda: store.tickets.inflight() == 0, self.config.shutdown_grace):
             log.warning("stopping with %d read(s) still in flight", store.tickets.inflight())
         await store.stop_pump()
-        for obj in list(store.objects.values()):
-            await store._release(obj)
+        await store.release_all()
         await self.fencer.close()
         self._transfers.shutdown(wait=True)  # no read is running when the reader agent goes
         if self.pool is not None:
@@ -164,7 +164,7 @@ class Agent:
             await asyncio.get_running_loop().run_in_executor(self._lifecycle, self._reader.close)
         for pool in (self._control, self._lifecycle):
             pool.shutdown(wait=True)
-        led = store.ledger
+        led = self.nixl.ledger
         if not self.balanced():
             log.error(
                 "registrations do not balance at shutdown: %d registered, %d deregistered",
@@ -184,7 +184,7 @@ class Agent:
         """Every NIXL registration this agent made (objects, fetch buffers, landing pool) was undone."""
         reader, pool = self._reader, self.pool
         return (
-            self.store.ledger.balanced()
+            self.nixl.ledger.balanced()
             and (reader is None or reader.local_registrations == reader.local_deregistrations)
             and (pool is None or pool.registrations == pool.deregistrations)
         )
@@ -199,12 +199,12 @@ class Agent:
         }
 
     def info(self) -> dict[str, Any]:
-        active = self.store.gens.active
+        active = self.nixl.gens.active
         return {
             **self.identity(),
             "nixlAgent": active.name if active else None,
-            "nixlAgents": self.store.gens.live_names(),
-            "startedAt": _iso(self.started_wall),
+            "nixlAgents": self.nixl.gens.live_names(),
+            "startedAt": iso_time(self.started_wall),
             "endpoint": self.endpoint,
         }
 
@@ -213,14 +213,14 @@ class Agent:
 
     def stats(self) -> dict[str, Any]:
         """Counts a test asserts on at the end: nothing held, everything balanced."""
-        store = self.store
+        store, nixl = self.store, self.nixl
         reader = self._reader
         return {
             "objects": len(store.objects),
             "storeBytes": sum(o.nbytes for o in store.objects.values()),
-            "registrations": store.ledger.registrations,
-            "deregistrations": store.ledger.deregistrations,
-            "registeredRegions": store.ledger.total(),
+            "registrations": nixl.ledger.registrations,
+            "deregistrations": nixl.ledger.deregistrations,
+            "registeredRegions": nixl.ledger.total(),
             "readerRegistrations": reader.local_registrations if reader else 0,
             "readerDeregistrations": reader.local_deregistrations if reader else 0,
             # Landing buffers stay registered while idle (a bounded cache); at stop all are deregistered.
@@ -229,8 +229,8 @@ class Agent:
             "landingRegistrations": self.pool.registrations if self.pool else 0,
             "landingDeregistrations": self.pool.deregistrations if self.pool else 0,
             "inflightReads": store.tickets.inflight(),
-            "quarantinedBytes": store.quarantine.bytes,
-            "generations": len(store.gens),
-            "rotations": store.gens.retired_count,
+            "quarantinedBytes": nixl.quarantine.bytes,
+            "generations": len(nixl.gens),
+            "rotations": nixl.gens.retired_count,
             "cachedRemoteAgents": self.fetcher.cached_agents if self.fetcher else 0,
         }

@@ -70,13 +70,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Executor
 
 from gpuobj_agent.config import AgentConfig
 from gpuobj_agent.errors import TransportError
 from gpuobj_agent.generations import LANES, TENURED, YOUNG, Generation
 from gpuobj_agent.metrics import AgentMetrics
+from gpuobj_agent.nixl_state import NixlState
 from gpuobj_agent.nixl_transport import NixlAgent
 from gpuobj_agent.registrations import RegionReused
 from gpuobj_agent.store import ObjectStore
@@ -103,6 +104,7 @@ class Fencer:
     def __init__(
         self,
         store: ObjectStore,
+        nixl: NixlState,
         config: AgentConfig,
         metrics: AgentMetrics,
         *,
@@ -110,37 +112,33 @@ class Fencer:
         agent_factory: Callable[[str], NixlAgent],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.store = store
+        self.store = store  # read here: its objects (to move them), tickets (to wait for reads) and closing
+        self.nixl = nixl  # shared with the store: what each NIXL agent holds, the lock, the requests to serve
         self.config = config
         self.metrics = metrics
         self._lifecycle = lifecycle
         self._factory = agent_factory
         self._clock = clock
-        self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._spare: Generation | None = None
         self._spare_task: asyncio.Task | None = None
         self._spare_failed_at: float | None = None
-        self._force: list[asyncio.Future] = []
-        self._retired: dict[int, asyncio.Event] = {}
         self._stopping = False
-        self._urgent: set[int] = set()  # generations someone waits to see fenced: rotate without batching
-        store.fencer = self
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         """Create and activate the first NIXL agent, then start the loop and the spare."""
         gen = await self._create()
-        async with self.store.nixl_lock:
-            self._add(gen)
-            self.store.gens.activate(gen.gid, self._clock(), YOUNG)
+        async with self.nixl.lock:
+            self.nixl.add_generation(gen)
+            self.nixl.gens.activate(gen.gid, self._clock(), YOUNG)
         self._refill()
         self._task = asyncio.create_task(self._run(), name="gpuobj-fencer")
 
     async def close(self) -> None:
         """Stop the loop and destroy every NIXL agent (the store must hold nothing by now)."""
         self._stopping = True
-        self.poke()
+        self.nixl.poke()
         if self._task is not None:
             try:
                 async with asyncio.timeout(30):
@@ -155,32 +153,25 @@ class Fencer:
             self._spare_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._spare_task
-        for fut in self._force:
-            if not fut.done():
-                fut.set_exception(TransportError("agent stopping"))
-        gens = self.store.gens.live()
+        self.nixl.stopping()
+        gens = self.nixl.gens.live()
         if self._spare is not None:
             gens.append(self._spare)
             self._spare = None
-        await self.store._control(lambda: None)  # nothing of ours still runs on the control thread
+        await self.nixl.barrier()  # nothing of ours still runs on the control thread
         for gen in gens:
-            parked = self.store.ledger.parked(gen.gid) if gen.gid in self.store.ledger.generations() else []
+            parked = self.nixl.ledger.parked(gen.gid) if gen.gid in self.nixl.ledger.generations() else []
             if parked:
-                await self.store._deregister(gen.gid, parked)
+                await self.nixl.deregister(gen.gid, parked)
         for gen in gens:
             await self._destroy(gen)
-        for entry in self.store.quarantine.drain():
+        for entry in self.nixl.quarantine.drain():
             self.metrics.quarantine_seconds.observe(self._clock() - entry.since)
 
     async def _create(self) -> Generation:
-        gid, name = self.store.gens.new_name()
+        gid, name = self.nixl.gens.new_name()
         agent = await asyncio.get_running_loop().run_in_executor(self._lifecycle, self._factory, name)
         return Generation(gid, name, agent, self._clock())
-
-    def _add(self, gen: Generation) -> None:
-        self.store.gens.add(gen)
-        self.store.ledger.add_generation(gen.gid)
-        self.store.members.setdefault(gen.gid, set())
 
     def _refill(self) -> None:
         if self._spare is None and (self._spare_task is None or self._spare_task.done()):
@@ -194,7 +185,7 @@ class Fencer:
             log.error("creating a spare NIXL agent failed: %s", exc)
             self.metrics.error("nixl_agent_create")
             self._spare_failed_at = self._clock()
-        self.poke()
+        self.nixl.poke()
 
     def _want_spare(self) -> None:
         """A rotation is due and no spare is ready: make one (retrying a failure after a second)."""
@@ -208,35 +199,6 @@ class Fencer:
             log.error("destroying NIXL agent %s failed: %s", gen.name, exc)
             self.metrics.error("nixl_agent_destroy")
 
-    # -- requests from the store ---------------------------------------------------------
-    def poke(self) -> None:
-        self._wake.set()
-
-    async def rotate_now(self, timeout: float = 30.0) -> None:
-        """Rotate the young agent as soon as a spare is ready (a region must be registered anew)."""
-        fut = asyncio.get_running_loop().create_future()
-        self._force.append(fut)
-        self.poke()
-        async with asyncio.timeout(timeout):
-            await asyncio.shield(fut)
-
-    async def wait_retired(self, gids: Iterable[int], timeout: float) -> bool:
-        """Fence `gids` now (no batching delay) and wait until each is destroyed."""
-        deadline = self._clock() + timeout
-        gids = list(gids)
-        self._urgent.update(gids)
-        self.poke()
-        for gid in gids:
-            if not self.store.gens.has(gid):
-                continue
-            event = self._retired.setdefault(gid, asyncio.Event())
-            try:
-                async with asyncio.timeout(max(0.0, deadline - self._clock())):
-                    await event.wait()
-            except TimeoutError:
-                return False
-        return True
-
     # -- the loop ----------------------------------------------------------------------
     async def _run(self) -> None:
         while not self._stopping:
@@ -249,22 +211,22 @@ class Fencer:
                 self.metrics.error("fencer")
                 await asyncio.sleep(0.5)
             delay = self._next_wake()
-            self._wake.clear()
+            self.nixl.wake.clear()
             if delay > 0:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(delay):
-                        await self._wake.wait()
+                        await self.nixl.wake.wait()
             else:
                 await asyncio.sleep(0)  # never starve the loop, even when work is due at once
 
     def _due(self, lane: str, now: float) -> float | None:
-        gen = self.store.gens.active_in(lane)
+        gen = self.nixl.gens.active_in(lane)
         if gen is None:
             return None
-        if gen.gid in self._urgent or (lane == YOUNG and self._force):
+        if self.nixl.urgent(gen.gid) or (lane == YOUNG and self.nixl.rotation_forced):
             return 0.0
         interval = self.config.fence_interval if lane == YOUNG else self.config.tenured_fence_interval
-        q = self.store.quarantine
+        q = self.nixl.quarantine
         return rotation_due(
             now, q.oldest(gen.gid), q.bytes_waiting_on(gen.gid), interval, self.config.quarantine_high_bytes
         )
@@ -277,11 +239,11 @@ class Fencer:
                 due = self._due(lane, now)
                 if due is not None and (self._spare is not None or due > 0):
                     waits.append(due)  # without a spare, its creation pokes us when ready
-        sealed = self.store.gens.sealed()
+        sealed = self.nixl.gens.sealed()
         if sealed:
             if (
-                any(self.store.members.get(g.gid) for g in sealed)
-                and self.store.gens.active_in(TENURED) is None
+                any(self.nixl.members.get(g.gid) for g in sealed)
+                and self.nixl.gens.active_in(TENURED) is None
                 and self._spare is not None
             ):
                 waits.append(0.0)  # objects wait to move and the tenured lane can open now
@@ -291,84 +253,73 @@ class Fencer:
         return min(waits)
 
     async def _step(self) -> None:
-        store = self.store
-        if store._expire():
-            await store._tickets_changed()
-        if not store.closing:
+        await self.store.expire_leases()
+        if not self.store.closing:
             for lane in LANES:
                 if self._due(lane, self._clock()) == 0.0:
                     if self._spare is None:
                         self._want_spare()
                         break
                     await self._rotate(lane)
-        for gen in store.gens.sealed():
+        for gen in self.nixl.gens.sealed():
             await self._drain(gen)
 
     async def _rotate(self, lane: str) -> None:
         spare, self._spare = self._spare, None
         assert spare is not None
-        async with self.store.nixl_lock:
-            self._add(spare)
-            old = self.store.gens.activate(spare.gid, self._clock(), lane)
+        async with self.nixl.lock:
+            self.nixl.add_generation(spare)
+            old = self.nixl.gens.activate(spare.gid, self._clock(), lane)
         self.metrics.rotations.inc()
         log.debug("rotated %s NIXL agent %s -> %s", lane, old.name if old else None, spare.name)
         self._refill()
         if lane == YOUNG:
-            force, self._force = self._force, []
-            for fut in force:
-                if not fut.done():
-                    fut.set_result(None)
+            self.nixl.rotated()
 
     async def _drain(self, gen: Generation) -> None:
         """Move a sealed agent's live objects out, deregister what no ticket reads, then destroy it."""
-        store = self.store
+        store, nixl = self.store, self.nixl
         await self._migrate(gen)
         reading = store.tickets.objects_reading(gen.gid)
         done = [oid for oid in gen.migrated if oid not in reading]
         if done:
-            async with store.nixl_lock:
+            async with nixl.lock:
                 keys = []
                 for oid in done:
-                    keys.extend(store.ledger.release(gen.gid, oid).deregister)
+                    keys.extend(nixl.ledger.release(gen.gid, oid).deregister)
                     gen.migrated.discard(oid)
                 if keys:
-                    await store._deregister(gen.gid, keys)
-        if not store.members.get(gen.gid) and not store.tickets.inflight(gid=gen.gid):
-            async with store.nixl_lock:  # freed regions parked here until the fence (registrations.py)
-                parked = store.ledger.parked(gen.gid)
+                    await nixl.deregister(gen.gid, keys)
+        if not nixl.members.get(gen.gid) and not store.tickets.inflight(gid=gen.gid):
+            async with nixl.lock:  # freed regions parked here until the fence (registrations.py)
+                parked = nixl.ledger.parked(gen.gid)
                 if parked:
-                    await store._deregister(gen.gid, parked)
-        if store.members.get(gen.gid) or store.ledger.count(gen.gid) or store.tickets.inflight(gid=gen.gid):
+                    await nixl.deregister(gen.gid, parked)
+        if nixl.members.get(gen.gid) or nixl.ledger.count(gen.gid) or store.tickets.inflight(gid=gen.gid):
             return
-        async with store.nixl_lock:
-            store.gens.retire(gen.gid, self._clock())
-            store.ledger.drop_generation(gen.gid)
-            store.members.pop(gen.gid, None)
-        await store._control(lambda: None)  # a barrier: no control-thread call on this agent is left
+        async with nixl.lock:
+            nixl.retire_generation(gen.gid)
+        await nixl.barrier()  # no control-thread call on this agent is left
         await self._destroy(gen)  # the fence: from here on every reader of this agent fails cleanly
         now = self._clock()
-        for entry in store.quarantine.generation_retired(gen.gid):
+        for entry in nixl.quarantine.generation_retired(gen.gid):
             self.metrics.quarantine_seconds.observe(now - entry.since)
             entry.refs.clear()  # the memory may be reused now
-        self._urgent.discard(gen.gid)
-        event = self._retired.pop(gen.gid, None)
-        if event is not None:
-            event.set()
+        nixl.retired(gen.gid)
 
     async def _migrate(self, gen: Generation) -> None:
         """Register a sealed agent's live objects in the tenured agent, a chunk at a time."""
-        store = self.store
-        members = store.members.get(gen.gid)
+        members = self.nixl.members.get(gen.gid)
         while members:
-            target = store.gens.active_in(TENURED)
+            target = self.nixl.gens.active_in(TENURED)
             if target is None:
                 if self._spare is None:
                     self._want_spare()
                     return
                 spare, self._spare = self._spare, None
-                async with store.nixl_lock:
-                    self._add(spare)
-                    store.gens.activate(spare.gid, self._clock(), TENURED)
+                async with self.nixl.lock:
+                    self.nixl.add_generation(spare)
+                    self.nixl.gens.activate(spare.gid, self._clock(), TENURED)
                 self._refill()
                 continue
             moved = await self._migrate_chunk(gen, target, members)
@@ -377,9 +328,9 @@ class Fencer:
             await asyncio.sleep(0)  # let frees, puts and tickets in between chunks
 
     async def _migrate_chunk(self, gen: Generation, target: Generation, members: set[str]) -> int:
-        store = self.store
-        async with store.nixl_lock:
-            if store.gens.active_in(TENURED) is not target:
+        store, nixl = self.store, self.nixl
+        async with nixl.lock:
+            if nixl.gens.active_in(TENURED) is not target:
                 return 0
             batch, new_keys = [], []
             for oid in list(members):
@@ -389,7 +340,7 @@ class Fencer:
                 if obj.freeing is not None:
                     continue  # its free will release it here
                 try:
-                    new_keys.extend(store.ledger.acquire(target.gid, obj.keys, oid))
+                    new_keys.extend(nixl.ledger.acquire(target.gid, obj.keys, oid))
                 except RegionReused:
                     continue  # that region must wait for a newer tenured agent
                 batch.append(obj)
@@ -397,19 +348,19 @@ class Fencer:
                 return 0
             try:
                 if new_keys:
-                    await store._control(target.agent.register, new_keys)
+                    await nixl.control(target.agent.register, new_keys)
             except Exception as exc:
                 fresh = set(new_keys)
                 for obj in batch:
                     mine = [k for k in obj.keys if k in fresh]
                     fresh.difference_update(mine)
-                    store.ledger.rollback(target.gid, mine, obj.object_id)
+                    nixl.ledger.rollback(target.gid, mine, obj.object_id)
                 log.error("moving %d objects to %s failed: %s", len(batch), target.name, exc)
                 self.metrics.error("nixl_register")
                 return 0
             self.metrics.registrations.labels(op="register").inc(len(new_keys))
             self.metrics.migrations.inc(len(batch))
-            into = store.members.setdefault(target.gid, set())
+            into = nixl.members.setdefault(target.gid, set())
             for obj in batch:
                 obj.gid = target.gid
                 obj.description = None  # described lazily, on its next read

@@ -135,7 +135,7 @@ async def serve(config: AgentConfig, extra_routes: Callable[[web.Application], N
         await agent.start()
         print(
             f"gpuobj agent listening on http://{agent.endpoint} (pod {config.namespace}/{config.pod_name}, "
-            f"incarnation {agent.incarnation}, NIXL agent {agent.store.gens.active.name})",
+            f"incarnation {agent.incarnation}, NIXL agent {agent.nixl.gens.active.name})",
             flush=True,
         )
         await stop.wait()
@@ -143,8 +143,8 @@ async def serve(config: AgentConfig, extra_routes: Callable[[web.Application], N
         await agent.stop()
     balanced = agent.balanced()
     print(
-        f"gpuobj agent stopped: {agent.store.ledger.registrations} NIXL registrations, "
-        f"{agent.store.ledger.deregistrations} deregistrations",
+        f"gpuobj agent stopped: {agent.nixl.ledger.registrations} NIXL registrations, "
+        f"{agent.nixl.ledger.deregistrations} deregistrations",
         flush=True,
     )
     return 0 if balanced else 1

@@ -24,7 +24,8 @@ from gpuobj_agent.agent import Agent
 from gpuobj_agent.auth import ServiceAccountAuth
 from gpuobj_agent.config import AgentConfig
 from gpuobj_agent.layouts import TensorLayout
-from gpuobj_agent.store import StoredObject, _iso
+from gpuobj_agent.store import StoredObject
+from gpuobj_agent.store import iso_time as _iso
 
 T = TypeVar("T")
 

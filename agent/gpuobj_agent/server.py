@@ -14,25 +14,96 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from gpuobj_agent.auth import Caller, Forbidden
+from gpuobj_agent.config import AgentConfig
 from gpuobj_agent.errors import AgentError, BadRequest, Conflict, NotReady, ObjectNotFound
-from gpuobj_agent.layouts import parse_layouts
+from gpuobj_agent.layouts import TensorLayout, parse_layouts
+from gpuobj_agent.metrics import AgentMetrics
 from gpuobj_agent.store import check_id, check_stream
 from gpuobj_contract import agent_api as api
 from gpuobj_contract import names
 
-if TYPE_CHECKING:
-    from gpuobj_agent.agent import Agent
-
 log = logging.getLogger(__name__)
 
+
+class Authenticator(Protocol):
+    """Verifies a caller's projected token (auth.ServiceAccountAuth)."""
+
+    async def operator(self, authorization: str | None) -> Caller: ...
+
+    async def reader(self, authorization: str | None) -> Caller: ...
+
+
+class Describable(Protocol):
+    def describe(self) -> dict[str, Any]: ...
+
+
+class Objects(Protocol):
+    """What the routes call on the object store (store.ObjectStore)."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def active_nixl_agent(self) -> str | None: ...
+
+    def describe(self, object_id: str) -> dict[str, Any]: ...
+
+    def shared_with(self, object_id: str) -> frozenset[str]: ...
+
+    async def materialize(
+        self,
+        object_id: str,
+        layouts: list[TensorLayout],
+        *,
+        key: str | None = None,
+        stream: str | None = None,
+        stream_index: int | None = None,
+        shared_with: Sequence[str] = (),
+    ) -> tuple[bool, Describable]: ...
+
+    async def begin_read(self, object_id: str, reader: str) -> dict[str, Any]: ...
+
+    async def end_read(self, read_id: str) -> dict[str, Any]: ...
+
+    async def free(self, object_id: str, *, reason: str | None = None, wait_fence: bool = False) -> dict[str, Any]: ...
+
+    async def free_stream(self, stream: str) -> dict[str, Any]: ...
+
+
+class Served(Protocol):
+    """What the control server needs of the agent it serves (agent.Agent is one); nothing else of it."""
+
+    @property
+    def config(self) -> AgentConfig: ...  # the pod's namespace and uid
+
+    @property
+    def incarnation(self) -> str: ...  # this process, as the operator records it
+
+    @property
+    def tokens(self) -> Authenticator: ...
+
+    @property
+    def metrics(self) -> AgentMetrics: ...
+
+    @property
+    def store(self) -> Objects: ...
+
+    @property
+    def handoff_sink(self) -> Callable[[str], Awaitable[bool]] | None: ...
+
+    def info(self) -> dict[str, Any]: ...
+
+    def inventory(self) -> dict[str, Any]: ...
+
+
 MAX_BODY = 1 << 20
-AGENT_KEY = web.AppKey("gpuobj_agent", object)  # the Agent (typed loosely: agent.py imports this module)
+AGENT_KEY = web.AppKey("gpuobj_agent", object)  # the Served agent (extra routes, e.g. the test workload's, use more)
 ROLES_KEY = web.AppKey("gpuobj_roles", dict)  # (method, route) -> "operator" | "reader"
 CALLER = web.RequestKey("gpuobj_caller", object)  # the verified Caller
 OPEN_PATHS = tuple(route.template for route in api.OPEN_ROUTES)
@@ -51,7 +122,7 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     One middleware, not two: each layer costs a coroutine per request on the ticket path. A route
     not listed as a read route is an operator route: a new route is closed until someone opens it.
     """
-    agent: Agent = request.app[AGENT_KEY]  # type: ignore[assignment]
+    agent: Served = request.app[AGENT_KEY]  # type: ignore[assignment]
     try:
         if request.path.startswith(api.PROTECTED_PREFIX):
             route = request.match_info.route
@@ -146,7 +217,7 @@ def _namespaces(data: dict[str, Any], key: str) -> list[str]:
 class Routes:
     """Handlers bound to one agent."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: Served) -> None:
         self.agent = agent
         self.store = agent.store
 
@@ -154,8 +225,9 @@ class Routes:
         return web.json_response({"status": "ok"})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        if self.store.ready:
-            return web.json_response({"status": "ready", "nixlAgent": self.store.gens.active.name})
+        active = self.store.active_nixl_agent
+        if active is not None:
+            return web.json_response({"status": "ready", "nixlAgent": active})
         return _error(503, "not ready: the NIXL agent is not up")
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -208,8 +280,7 @@ class Routes:
         """
         if caller.namespace == self.agent.config.namespace:
             return
-        obj = self.store.objects.get(object_id)
-        if obj is None or caller.namespace not in obj.shared_with:
+        if caller.namespace not in self.store.shared_with(object_id):
             raise Forbidden(
                 f"pod {caller.pod} may not read object {object_id} of namespace {self.agent.config.namespace}"
             )
@@ -247,7 +318,7 @@ class Routes:
         return web.json_response(await self.store.free_stream(stream))
 
 
-def build_app(agent: Agent, extra: Callable[[web.Application], None] | None = None) -> web.Application:
+def build_app(agent: Served, extra: Callable[[web.Application], None] | None = None) -> web.Application:
     """The aiohttp application; `extra` may add routes (the test workload does)."""
     app = web.Application(middlewares=[_guard], client_max_size=MAX_BODY)
     app[AGENT_KEY] = agent

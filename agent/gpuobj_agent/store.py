@@ -2,7 +2,7 @@
 
 Why it is shaped this way:
 - Every piece of state lives on the agent's event loop and is changed by one coroutine at
-  a time; NIXL calls run on a dedicated control thread (`await self._control(...)`), so
+  a time; NIXL calls run on a dedicated control thread (`await self.nixl.control(...)`), so
   the loop never blocks on NIXL and the server keeps answering (seed 002).
 - Bookkeeping is delegated to plain-Python modules: the registrations ledger (what each
   NIXL agent holds), read tickets (who may be reading), generations (which NIXL agent is
@@ -23,7 +23,6 @@ import logging
 import re
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,12 +40,11 @@ from gpuobj_agent.errors import (
     QuotaExceeded,
     TransportError,
 )
-from gpuobj_agent.generations import GenerationTable
 from gpuobj_agent.layouts import TensorLayout, allocate, layout_of
 from gpuobj_agent.metrics import AgentMetrics, Levels
+from gpuobj_agent.nixl_state import NixlState
 from gpuobj_agent.nixl_transport import NixlAgent, Span, exact_regions
-from gpuobj_agent.quarantine import Quarantine
-from gpuobj_agent.registrations import RegionKey, RegionReused, RegistrationLedger
+from gpuobj_agent.registrations import RegionKey, RegionReused
 from gpuobj_agent.tickets import ReadTickets
 from gpuobj_contract import agent_api as api
 
@@ -102,13 +100,14 @@ class StoredObject:
             "id": self.object_id,
             "bytes": self.nbytes,
             "tensors": [layout.to_json() for layout in self.layouts],
-            "createdAt": _iso(self.created_wall),
+            "createdAt": iso_time(self.created_wall),
             "stream": self.stream,
             "streamIndex": self.stream_index,
         }
 
 
-def _iso(ts: float) -> str:
+def iso_time(ts: float) -> str:
+    """RFC 3339 UTC with milliseconds, as the API shows times."""
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts * 1000) % 1000:03d}Z"
 
 
@@ -130,38 +129,34 @@ class ObjectStore:
         config: AgentConfig,
         metrics: AgentMetrics,
         *,
-        base_name: str,
+        nixl: NixlState,
         incarnation: str,
-        control: Executor,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.incarnation = incarnation
         self.metrics = metrics
+        self.nixl = nixl  # shared with the fencer
         self._clock = clock
-        self._control_executor = control
-        self.ledger = RegistrationLedger()
         self.tickets = ReadTickets(clock)
-        self.gens = GenerationTable(base_name)
-        self.quarantine = Quarantine()
         self.objects: dict[str, StoredObject] = {}
         self.streams: dict[str, set[str]] = {}
         self.published: dict[str, list[torch.Tensor]] = {}
-        self.members: dict[int, set[str]] = {}  # generation id -> objects whose tickets it serves
-        self.nixl_lock = asyncio.Lock()  # one NIXL registration change at a time, in a known order
         self.tickets_changed = asyncio.Condition()
-        self.fencer: Any = None  # set by the agent: fencing.Fencer
         self.closing = False
         self._issued = asyncio.Event()
         self._pump_task: asyncio.Task | None = None
 
     # -- helpers -----------------------------------------------------------------------
-    async def _control(self, fn: Callable, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._control_executor, fn, *args)
-
     @property
     def ready(self) -> bool:
-        return self.gens.active is not None and not self.closing
+        return self.nixl.gens.active is not None and not self.closing
+
+    @property
+    def active_nixl_agent(self) -> str | None:
+        """The NIXL agent new objects are registered in; None while starting or stopping (not ready)."""
+        gen = self.nixl.gens.active
+        return gen.name if gen is not None and not self.closing else None
 
     def levels(self) -> Levels:
         by_device: dict[str, int] = {"cpu": 0}  # a series from the start, so dashboards show 0, not nothing
@@ -169,14 +164,14 @@ class ObjectStore:
             for layout in obj.layouts:
                 by_device[layout.device] = by_device.get(layout.device, 0) + layout.nbytes
         gens: dict[str, int] = {"active": 0, "sealed": 0}
-        for gen in self.gens.live():
+        for gen in self.nixl.gens.live():
             gens[gen.state.value] = gens.get(gen.state.value, 0) + 1
         return Levels(
             by_device,
             len(self.objects),
-            self.ledger.registered_bytes,
+            self.nixl.ledger.registered_bytes,
             len(self.tickets.live()),
-            self.quarantine.bytes,
+            self.nixl.quarantine.bytes,
             gens,
         )
 
@@ -249,7 +244,7 @@ class ObjectStore:
         tensors = self._prepare(tensors, copy)
         self._check_quota(sum(t.nbytes for t in tensors))
         if any(t.device.type == "cuda" for t in tensors):
-            await self._control(_sync_cuda, tensors)  # off the loop: a device sync may take a while
+            await self.nixl.control(_sync_cuda, tensors)  # off the loop: a device sync may take a while
         layouts = [layout_of(t) for t in tensors]
         spans = [Span.of(t) for t in tensors]
         keys = exact_regions(spans)  # the object's own bytes, never the rest of the storage it views
@@ -257,23 +252,23 @@ class ObjectStore:
             # NIXL's partial metadata cannot describe both; its full metadata names every region of the agent.
             raise BadRequest("an object is in host memory or on GPUs, not both: put the CPU and CUDA tensors apart")
         for attempt in range(2):
-            async with self.nixl_lock:
+            async with self.nixl.lock:
                 if object_id in self.objects:
                     raise Conflict(f"object {object_id} already exists")
-                gen = self.gens.active
+                gen = self.nixl.gens.active
                 if gen is None or self.closing:
                     raise NotReady("the agent is not ready (starting or stopping)")
                 try:
-                    new = self.ledger.acquire(gen.gid, keys, object_id)
+                    new = self.nixl.ledger.acquire(gen.gid, keys, object_id)
                 except RegionReused:
                     if attempt:
                         raise
                     new = None
                 if new is not None:
                     try:
-                        [described] = await self._control(self._register_in, gen.agent, new, [(keys, spans)])
+                        [described] = await self.nixl.control(self._register_in, gen.agent, new, [(keys, spans)])
                     except Exception as exc:
-                        self.ledger.rollback(gen.gid, new, object_id)
+                        self.nixl.ledger.rollback(gen.gid, new, object_id)
                         self.metrics.error("nixl_register")
                         raise TransportError(f"registering object {object_id} with NIXL failed: {exc}") from exc
                     self.metrics.registrations.labels(op="register").inc(len(new))
@@ -294,13 +289,13 @@ class ObjectStore:
                     obj.description, obj.described_gid = described, gen.gid
                     obj.shared_with = frozenset(shared_with)
                     self.objects[object_id] = obj
-                    self.members.setdefault(gen.gid, set()).add(object_id)
+                    self.nixl.members.setdefault(gen.gid, set()).add(object_id)
                     if stream is not None:
                         self.streams.setdefault(stream, set()).add(object_id)
                     return obj
             # One of these storages was freed after a reader saw it, and is alive again (the workload
             # re-put a tensor it still holds): a newer NIXL agent must take it. Rotate and retry.
-            await self.fencer.rotate_now()
+            await self.nixl.rotate_now()
         raise AssertionError("unreachable")
 
     def _check_quota(self, nbytes: int) -> None:
@@ -383,7 +378,8 @@ class ObjectStore:
             gid = obj.gid
             if obj.described_gid != gid or obj.description is None:
                 # First read since the object moved to another NIXL agent: describe it there.
-                description = await self._control(self._describe_in, self.gens.get(gid).agent, obj.keys, obj.spans)
+                agent = self.nixl.gens.get(gid).agent
+                description = await self.nixl.control(self._describe_in, agent, obj.keys, obj.spans)
                 if self.objects.get(object_id) is not obj or obj.freeing is not None or obj.gid != gid:
                     continue  # freed or moved meanwhile: look again
                 obj.description, obj.described_gid = description, gid
@@ -405,10 +401,10 @@ class ObjectStore:
         free fails cleanly on the retired NIXL agent and falls back to a ticket.
         """
         obj = await self._described(object_id)
-        gen = self.gens.get(obj.gid)
+        gen = self.nixl.gens.get(obj.gid)
         assert obj.description is not None
         metadata, descriptors, whole = obj.description
-        self.ledger.expose(obj.gid, self.ledger.keys_in(obj.gid) if whole else obj.keys)
+        self.nixl.ledger.expose(obj.gid, self.nixl.ledger.keys_in(obj.gid) if whole else obj.keys)
         self.metrics.tickets.labels(result="granted").inc()
         return {
             "nixlAgent": gen.name,
@@ -417,18 +413,18 @@ class ObjectStore:
             "spans": [s.to_json() if s is not None else None for s in obj.spans],
             "tensors": [layout.to_json() for layout in obj.layouts],
             "bytes": obj.nbytes,
-            "liveAgents": self.gens.live_names(),
+            "liveAgents": self.nixl.gens.live_names(),
             "incarnation": self.incarnation,
             "generation": obj.gid,
         }
 
     def _issue(self, obj: StoredObject, reader: str) -> dict[str, Any]:
-        gen = self.gens.get(obj.gid)
+        gen = self.nixl.gens.get(obj.gid)
         assert obj.description is not None
         metadata, descriptors, whole = obj.description
         lease = round(self.config.lease_for(obj.nbytes), 3)
         ticket = self.tickets.issue(obj.object_id, obj.gid, tuple(obj.keys), obj.nbytes, reader, lease)
-        self.ledger.expose(obj.gid, self.ledger.keys_in(obj.gid) if whole else obj.keys)
+        self.nixl.ledger.expose(obj.gid, self.nixl.ledger.keys_in(obj.gid) if whole else obj.keys)
         self.metrics.tickets.labels(result="issued").inc()
         self._issued.set()
         return {
@@ -440,7 +436,7 @@ class ObjectStore:
             "tensors": [layout.to_json() for layout in obj.layouts],
             "bytes": obj.nbytes,
             "leaseSeconds": lease,
-            "liveAgents": self.gens.live_names(),
+            "liveAgents": self.nixl.gens.live_names(),
             "incarnation": self.incarnation,
         }
 
@@ -491,7 +487,7 @@ class ObjectStore:
                 await self._issued.wait()
                 continue
             try:
-                notes = await self._control(self._poll, [g.agent for g in self.gens.live()])
+                notes = await self.nixl.control(self._poll, [g.agent for g in self.nixl.gens.live()])
             except Exception as exc:  # a failed poll must not stop the pump: leases still bound every ticket
                 log.error("polling NIXL notifications failed: %s", exc)
                 self.metrics.error("nixl_notifications")
@@ -513,16 +509,20 @@ class ObjectStore:
     async def _tickets_changed(self) -> None:
         async with self.tickets_changed:
             self.tickets_changed.notify_all()
-        if self.fencer is not None:
-            self.fencer.poke()
+        self.nixl.poke()
+
+    async def expire_leases(self) -> None:
+        """End the tickets whose lease ran out, and wake whoever waits on tickets (the fencer's heartbeat)."""
+        if self._expire():
+            await self._tickets_changed()
 
     async def wait_tickets(self, predicate: Callable[[], bool], timeout: float) -> bool:
         """Wait until `predicate()` holds, re-checking on every ticket end and lease expiry."""
         deadline = self._clock() + timeout
         async with self.tickets_changed:
             while True:
-                if self._expire() and self.fencer is not None:
-                    self.fencer.poke()
+                if self._expire():
+                    self.nixl.poke()
                 if predicate():
                     return True
                 now = self._clock()
@@ -571,27 +571,32 @@ class ObjectStore:
         self.metrics.frees.labels(result="freed").inc()
         fenced = True
         if wait_fence and fenced_gens:
-            fenced = await self.fencer.wait_retired(fenced_gens, self.config.free_wait_timeout)
+            fenced = await self.nixl.wait_retired(fenced_gens, self.config.free_wait_timeout)
         elif fenced_gens:
             fenced = False
         self.metrics.free_seconds.observe(self._clock() - started)
         log.debug("freed %s (%d bytes, reason %s)", object_id, obj.nbytes, reason)
         return {"freed": True, "bytes": obj.nbytes, "waitedSeconds": round(waited, 6), "fenced": fenced}
 
+    async def release_all(self) -> None:
+        """At shutdown, once reads ended or their wait ran out: deregister and forget every object."""
+        for obj in list(self.objects.values()):
+            await self._release(obj)
+
     async def _release(self, obj: StoredObject) -> set[int]:
         """Deregister everywhere, forget the object, quarantine or drop its tensors; returns fence gens."""
         exposed: set[int] = set()
-        async with self.nixl_lock:
-            for gid in self.ledger.owner_generations(obj.object_id):
-                released = self.ledger.release(gid, obj.object_id, park_exposed=True)
+        async with self.nixl.lock:
+            for gid in self.nixl.ledger.owner_generations(obj.object_id):
+                released = self.nixl.ledger.release(gid, obj.object_id, park_exposed=True)
                 if released.deregister:
-                    await self._deregister(gid, released.deregister)
+                    await self.nixl.deregister(gid, released.deregister)
                 if released.exposed:
                     exposed.add(gid)
-                if self.gens.has(gid):
-                    self.gens.get(gid).migrated.discard(obj.object_id)
+                if self.nixl.gens.has(gid):
+                    self.nixl.gens.get(gid).migrated.discard(obj.object_id)
             self.objects.pop(obj.object_id, None)
-            members = self.members.get(obj.gid)
+            members = self.nixl.members.get(obj.gid)
             if members is not None:
                 members.discard(obj.object_id)
             if obj.stream is not None:
@@ -602,23 +607,10 @@ class ObjectStore:
                         del self.streams[obj.stream]
         tensors, obj.tensors, obj.description = obj.tensors, [], None
         if exposed:
-            self.quarantine.add(obj.object_id, obj.nbytes, tensors, exposed, self._clock())
+            self.nixl.quarantine.add(obj.object_id, obj.nbytes, tensors, exposed, self._clock())
         del tensors  # never exposed: the memory may go now
-        if self.fencer is not None:
-            self.fencer.poke()  # a sealed agent may have just emptied, or a fence is now due
+        self.nixl.poke()  # a sealed agent may have just emptied, or a fence is now due
         return exposed
-
-    async def _deregister(self, gid: int, keys: list[RegionKey]) -> None:
-        """Deregister from the NIXL agent that registered them; the ledger records it either way."""
-        agent = self.gens.get(gid).agent
-        try:
-            await self._control(agent.deregister, keys)
-        except TransportError as exc:
-            # The agent will be destroyed anyway; the registration cannot outlive it.
-            log.error("NIXL deregister in generation %d failed: %s", gid, exc)
-            self.metrics.error("nixl_deregister")
-        self.ledger.deregistered(gid, keys)
-        self.metrics.registrations.labels(op="deregister").inc(len(keys))
 
     async def free_stream(self, stream: str) -> dict[str, Any]:
         check_stream(stream)
@@ -644,6 +636,11 @@ class ObjectStore:
         if obj is None or obj.freeing is not None:
             raise ObjectNotFound(object_id)
         return obj.describe()
+
+    def shared_with(self, object_id: str) -> frozenset[str]:
+        """Namespaces besides the source's own whose pods may read `object_id` (none if it is unknown)."""
+        obj = self.objects.get(object_id)
+        return obj.shared_with if obj is not None else frozenset()
 
     def inventory_objects(self) -> list[dict[str, Any]]:
         now = self._clock()

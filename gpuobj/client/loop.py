@@ -13,6 +13,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from gpuobj.client import errors
+
 T = TypeVar("T")
 
 
@@ -78,3 +80,36 @@ class LoopThread:
         self._thread.join(timeout=timeout)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+class Runner:
+    """The sync/async bridge of the facade: run a core coroutine on the client loop with a deadline,
+    and turn whatever goes wrong underneath into a GpuObjError (one choke point for every call)."""
+
+    def __init__(self, loop: LoopThread, timeout: float) -> None:
+        self.loop = loop
+        self.timeout = timeout
+
+    def call(self, coro: Coroutine[Any, Any, T], what: str) -> T:
+        """From a workload thread."""
+        try:
+            return self.loop.call(coro, self.timeout)
+        except BaseException as exc:
+            err = _translated(exc, what)
+            if err is exc:
+                raise
+            raise err from exc
+
+    async def acall(self, coro: Coroutine[Any, Any, T], what: str) -> T:
+        """From an asyncio workload's loop, without blocking it."""
+        try:
+            return await self.loop.acall(coro, self.timeout)
+        except BaseException as exc:
+            err = _translated(exc, what)
+            if err is exc:
+                raise
+            raise err from exc
+
+
+def _translated(exc: BaseException, what: str) -> BaseException:
+    return errors.agent_error(exc, what=what)

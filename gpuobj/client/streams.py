@@ -14,16 +14,16 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
+from gpuobj.client.core import ANNOTATION_STREAM_END
 from gpuobj.client.errors import StreamClosedError
 from gpuobj.client.handles import ObjectAddress
 from gpuobj_contract import names
 from gpuobj_contract.layouts import parse_layouts
-from gpuobj_kube.client import GPUOBJECTS, STREAMS, Conflict, Gone, NotFound, wait_for
+from gpuobj_kube.client import GPUOBJECTS, STREAMS, Gone, wait_for
 
 if TYPE_CHECKING:
-    from gpuobj.client.client import Client
-
-ANNOTATION_END = f"{names.GROUP}/stream-end"
+    from gpuobj.client.core import ClientCore
+    from gpuobj.client.loop import Runner
 
 
 def item_name(stream: str, index: int) -> str:
@@ -33,60 +33,45 @@ def item_name(stream: str, index: int) -> str:
 class StreamWriter:
     """The producer's side. Create with ``client.stream_writer(name)``."""
 
-    def __init__(self, client: Client, name: str, uid: str, next_index: int = 0) -> None:
-        self.client = client
+    def __init__(self, core: ClientCore, runner: Runner, name: str, uid: str, next_index: int = 0) -> None:
+        self.core = core
+        self.runner = runner
         self.name = name
         self.uid = uid
         self.next_index = next_index
 
     @classmethod
-    async def acreate(cls, client: Client, name: str) -> StreamWriter:
-        body = {
-            "metadata": {
-                "name": name,
-                "finalizers": [names.FINALIZER_FREE],
-                # If the producer pod goes, so does the stream (and every item with it).
-                "ownerReferences": [
-                    {"apiVersion": "v1", "kind": "Pod", "name": client.pod_name, "uid": client.pod_uid}
-                ],
-            },
-            "spec": {"producer": {"podName": client.pod_name}},
-        }
-        created = await client._kube.create(STREAMS, body, client.namespace)
-        return cls(client, name, created["metadata"]["uid"])
+    async def acreate(cls, core: ClientCore, runner: Runner, name: str) -> StreamWriter:
+        return cls(core, runner, name, await core.create_stream(name))
 
     async def aemit(self, tensors: Any) -> int:
         """Store and report the next item; returns its index. A failed report frees the bytes."""
         index = self.next_index
         self.next_index += 1
-        ref = await self.client.aput_inner(
-            tensors, name=item_name(self.name, index), stream=(self.name, index, self.uid)
-        )
+        ref = await self.core.put(tensors, name=item_name(self.name, index), stream=(self.name, index, self.uid))
         # The stream owns the item's reference from now on: the producer keeps no handle.
         ref.detach()
         return index
 
     def emit(self, tensors: Any) -> int:
-        return self.client._call(self.aemit(tensors), f"emit to stream {self.name}")
+        return self.runner.call(self.aemit(tensors), f"emit to stream {self.name}")
 
     async def aclose(self) -> None:
         """Mark the end: readers stop after the last emitted item."""
-        await self.client._kube.patch(
-            STREAMS,
-            self.name,
-            {"metadata": {"annotations": {ANNOTATION_END: str(self.next_index)}}},
-            self.client.namespace,
-        )
+        await self.core.end_stream(self.name, self.next_index)
 
     def close(self) -> None:
-        self.client._call(self.aclose(), f"close stream {self.name}")
+        self.runner.call(self.aclose(), f"close stream {self.name}")
 
 
 class StreamReader:
     """The consumer's side: yields each item's tensors in index order, releasing each after reading it."""
 
-    def __init__(self, client: Client, name: str, *, device: str = "cpu", item_timeout: float = 60.0) -> None:
-        self.client = client
+    def __init__(
+        self, core: ClientCore, runner: Runner, name: str, *, device: str = "cpu", item_timeout: float = 60.0
+    ) -> None:
+        self.core = core
+        self.runner = runner
         self.name = name
         self.device = device
         self.item_timeout = item_timeout
@@ -94,7 +79,7 @@ class StreamReader:
 
     async def _follow(self, res, selector: dict[str, str], on_event) -> None:
         """List then watch (relisting when the version is too old), feeding ``on_event(obj, deleted)``."""
-        kube, ns = self.client._kube, self.client.namespace
+        kube, ns = self.core.kube, self.core.namespace
         while True:
             listed = await kube.list(res, ns, **selector)
             for obj in listed["items"]:
@@ -126,8 +111,8 @@ class StreamReader:
 
         def on_stream(obj: dict, deleted: bool) -> None:
             if deleted or obj["metadata"].get("deletionTimestamp"):
-                self._gone = f"stream {self.client.namespace}/{self.name} was deleted"
-            end = (obj["metadata"].get("annotations") or {}).get(ANNOTATION_END)
+                self._gone = f"stream {self.core.namespace}/{self.name} was deleted"
+            end = (obj["metadata"].get("annotations") or {}).get(ANNOTATION_STREAM_END)
             self._end = int(end) if end is not None else None
             self._changed.set()
 
@@ -165,30 +150,28 @@ class StreamReader:
             return await asyncio.wait_for(wait(), self.item_timeout)
         except TimeoutError as exc:
             raise StreamClosedError(
-                f"item {index} of stream {self.client.namespace}/{self.name}"
+                f"item {index} of stream {self.core.namespace}/{self.name}"
                 f" did not arrive within {self.item_timeout:.0f}s"
             ) from exc
 
     async def _advance(self, index: int) -> None:
-        await self.client._kube.patch(
-            STREAMS, self.name, {"status": {"consumed": index + 1}}, self.client.namespace, subresource="status"
-        )
+        await self.core.advance_stream(self.name, index + 1)
 
     async def aiter(self) -> AsyncIterator[list]:
         if self.position is None:
             # The producer may not have created the stream yet: wait for it (bounded).
             try:
                 stream = await wait_for(
-                    self.client._kube,
+                    self.core.kube,
                     STREAMS,
                     self.name,
-                    self.client.namespace,
+                    self.core.namespace,
                     lambda o: o is not None,
                     timeout=self.item_timeout,
                 )
             except TimeoutError as exc:
                 raise StreamClosedError(
-                    f"stream {self.client.namespace}/{self.name} did not appear within {self.item_timeout:.0f}s"
+                    f"stream {self.core.namespace}/{self.name} did not appear within {self.item_timeout:.0f}s"
                 ) from exc
             self.position = int(((stream or {}).get("status") or {}).get("consumed", 0))
         self._start_watches()
@@ -199,13 +182,10 @@ class StreamReader:
                     return
                 assert item is not None
                 address = _address_of(item)
-                tensors = await self.client.afetch_inner(address, device=self.device)
+                tensors = await self.core.fetch(address, device=self.device)
                 # Read position first, then the release: a late report of this item is then recognisably stale.
                 await self._advance(self.position)
-                try:
-                    await self.client._kube.delete(GPUOBJECTS, address.name, address.namespace, uid=address.uid)
-                except (NotFound, Conflict):
-                    pass
+                await self.core.delete_item(address)
                 self.position += 1
                 yield tensors
         finally:
@@ -215,7 +195,7 @@ class StreamReader:
         agen = self.aiter()
         while True:
             try:
-                yield self.client._call(agen.__anext__(), f"read stream {self.name}")
+                yield self.runner.call(agen.__anext__(), f"read stream {self.name}")
             except StopAsyncIteration:
                 return
 
@@ -226,7 +206,7 @@ class StreamReader:
         agen = self.aiter()
         while True:
             try:
-                yield await self.client._loop.acall(agen.__anext__(), self.item_timeout + 30)
+                yield await self.runner.loop.acall(agen.__anext__(), self.item_timeout + 30)
             except StopAsyncIteration:
                 return
 
@@ -245,10 +225,3 @@ def _address_of(obj: dict) -> ObjectAddress:
         endpoint,
         tuple(parse_layouts(spec["tensors"], "spec.tensors", ignore=frozenset({"name"}))),
     )
-
-
-async def adelete_stream(client: Client, name: str) -> None:
-    try:
-        await client._kube.delete(STREAMS, name, client.namespace, propagation="Background")
-    except NotFound:
-        pass

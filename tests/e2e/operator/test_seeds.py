@@ -83,8 +83,8 @@ def test_seed_003_late_reports_failed_writes_and_stream_deletion_leave_nothing(
         wait_object(gpuobj_cluster, namespace, f"tokens-{consumed}", lambda o: o is None)
     # A report of item 1 arriving after item 1 was consumed (a producer retrying its create):
     late = producer.eval(
-        "client.object_body('tokens-1', 'o-late-report', [gpuobj.client.handles.TensorLayout((64,), 'float32', 'cpu')],"
-        " stream=('tokens', 1, w.uid))"
+        "client.core.object_body('tokens-1', 'o-late-report',"
+        " [gpuobj.client.handles.TensorLayout((64,), 'float32', 'cpu')], stream=('tokens', 1, w.uid))"
     )
     kube(gpuobj_cluster, lambda k: k.create(GPUOBJECTS, late, namespace))
     wait_object(gpuobj_cluster, namespace, "tokens-1", lambda o: o is None)  # dropped, never counted

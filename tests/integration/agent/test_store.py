@@ -205,7 +205,7 @@ def test_freed_memory_a_reader_saw_is_quarantined_until_its_nixl_agent_is_destro
     assert not seen["fenced"] and src.stats()["quarantinedBytes"] == 16384
     rotations = src.stats()["rotations"]
     assert src.free("seen") == {"freed": False, "reason": "unknown object"}
-    run(src, src.agent.fencer.rotate_now())  # what fence_interval (60 s here) would do later
+    run(src, src.agent.nixl.rotate_now())  # what fence_interval (60 s here) would do later
     stats = settle(src.stats)
     assert stats["rotations"] == rotations + 1
     settle(dst.stats)
@@ -331,9 +331,9 @@ def test_stopping_with_objects_alive_deregisters_everything(make_runtime, token_
         src.put(f"o{i}", [torch.ones(1 << 10)])
     dst.fetch(src.endpoint, "o3", token=TOKEN)
     src.stop()
-    ledger = src.agent.store.ledger
+    ledger = src.agent.nixl.ledger
     assert ledger.balanced() and ledger.registrations == 10
-    assert src.agent.store.quarantine.bytes == 0 and not src.agent.store.objects
+    assert src.agent.nixl.quarantine.bytes == 0 and not src.agent.store.objects
     settle(dst.stats)
 
 

@@ -11,7 +11,8 @@ import torch
 
 import gpuobj
 from gpuobj.client import errors
-from gpuobj.client.client import _live_address, _pod_environment, _tensor_list
+from gpuobj.client.client import _pod_environment
+from gpuobj.client.core import live_address, tensor_list
 from gpuobj.client.handles import ObjectAddress, ObjectRef
 from gpuobj_agent import errors as agent_errors
 from gpuobj_kube.client import ApiError, Conflict, Invalid, NotFound
@@ -60,28 +61,28 @@ def test_every_exported_error_is_a_gpuobj_error() -> None:
 
 def test_put_argument_must_be_tensors() -> None:
     t = torch.ones(2)
-    assert _tensor_list(t, what="put") == [t]
-    assert _tensor_list((t, t), what="put") == [t, t]
+    assert tensor_list(t, what="put") == [t]
+    assert tensor_list((t, t), what="put") == [t, t]
     with pytest.raises(errors.InvalidTensorError, match="item 1 is a list"):
-        _tensor_list([t, [1, 2]], what="put")
+        tensor_list([t, [1, 2]], what="put")
     with pytest.raises(errors.InvalidTensorError, match="no tensors"):
-        _tensor_list([], what="put")
+        tensor_list([], what="put")
     with pytest.raises(ValueError):  # also a ValueError, as Python users expect
-        _tensor_list("weights", what="put")
+        tensor_list("weights", what="put")
 
 
 def test_released_handle_refuses_but_an_address_does_not() -> None:
     address = ObjectAddress("ns", "w", "uid-1", "o-1", "src", "127.0.0.1:1")
     released: list[tuple] = []
     ref = ObjectRef(address, "owner", lambda *a: released.append(a))
-    assert _live_address(ref, "fetch") is address
+    assert live_address(ref, "fetch") is address
     ref.release()
     assert released == [("object", "ns", "w", "uid-1", None)]  # (kind, namespace, name, uid, via)
     with pytest.raises(errors.ReleasedHandleError, match="cannot fetch GPUObject ns/w"):
-        _live_address(ref, "fetch")
-    assert _live_address(address, "fetch") is address  # a plain address holds no reference to check
+        live_address(ref, "fetch")
+    assert live_address(address, "fetch") is address  # a plain address holds no reference to check
     with pytest.raises(TypeError):
-        _live_address("w", "fetch")  # type: ignore[arg-type]
+        live_address("w", "fetch")  # type: ignore[arg-type]
 
 
 def test_connect_reads_the_downward_api_and_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:

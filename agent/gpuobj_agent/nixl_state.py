@@ -1,0 +1,150 @@
+"""The agent's NIXL state: generations, registrations, quarantine, the control thread and the lock.
+
+Why one object: the object store (puts, frees) and the fencer (rotations, retirements) change
+the same NIXL bookkeeping, in a known order under one lock, on one control thread. Both are
+handed this object; neither holds the other's internals. The store asks for a fence through
+it (`poke`, `rotate_now`, `wait_retired`) and the fencer answers through it (`rotated`,
+`retired`), so there is no back-reference from the store to the fencer.
+
+Everything here lives on the agent's event loop; only `control` runs NIXL calls, on the
+dedicated control thread, so the loop never blocks on NIXL (seed 002).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
+from typing import Any
+
+from gpuobj_agent.errors import TransportError
+from gpuobj_agent.generations import Generation, GenerationTable
+from gpuobj_agent.metrics import AgentMetrics
+from gpuobj_agent.quarantine import Quarantine
+from gpuobj_agent.registrations import RegionKey, RegistrationLedger
+
+log = logging.getLogger(__name__)
+
+
+class NixlState:
+    """What each NIXL agent of this pod holds, and the requests the fencer has to serve."""
+
+    def __init__(
+        self,
+        base_name: str,
+        *,
+        control: Executor,
+        metrics: AgentMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.gens = GenerationTable(base_name)
+        self.ledger = RegistrationLedger()
+        self.quarantine = Quarantine()
+        self.members: dict[int, set[str]] = {}  # generation id -> objects whose tickets it serves
+        self.lock = asyncio.Lock()  # one NIXL registration change at a time, in a known order
+        self.metrics = metrics
+        self._control_executor = control
+        self._clock = clock
+        # Requests to the fencer (fencing.py serves them).
+        self.wake = asyncio.Event()
+        self._forced: list[asyncio.Future] = []
+        self._urgent: set[int] = set()  # generations someone waits to see fenced: rotate without batching
+        self._retired: dict[int, asyncio.Event] = {}
+
+    # -- the control thread ---------------------------------------------------------------
+    async def control(self, fn: Callable, *args: Any) -> Any:
+        """Run a NIXL call on the control thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._control_executor, fn, *args)
+
+    async def barrier(self) -> None:
+        """Return once no control-thread call queued before this one is still running."""
+        await self.control(lambda: None)
+
+    async def deregister(self, gid: int, keys: list[RegionKey]) -> None:
+        """Deregister from the NIXL agent that registered them; the ledger records it either way.
+
+        The caller holds `lock`."""
+        agent = self.gens.get(gid).agent
+        try:
+            await self.control(agent.deregister, keys)
+        except TransportError as exc:
+            # The agent will be destroyed anyway; the registration cannot outlive it.
+            log.error("NIXL deregister in generation %d failed: %s", gid, exc)
+            self.metrics.error("nixl_deregister")
+        self.ledger.deregistered(gid, keys)
+        self.metrics.registrations.labels(op="deregister").inc(len(keys))
+
+    # -- generations -----------------------------------------------------------------------
+    def add_generation(self, gen: Generation) -> None:
+        """A new NIXL agent joins (the caller holds `lock`)."""
+        self.gens.add(gen)
+        self.ledger.add_generation(gen.gid)
+        self.members.setdefault(gen.gid, set())
+
+    def retire_generation(self, gid: int) -> Generation:
+        """Forget an emptied NIXL agent before it is destroyed (the caller holds `lock`)."""
+        gen = self.gens.retire(gid, self._clock())
+        self.ledger.drop_generation(gid)
+        self.members.pop(gid, None)
+        return gen
+
+    # -- requests to the fencer ------------------------------------------------------------
+    def poke(self) -> None:
+        """Something changed (a free, a ticket end): the fencer looks again."""
+        self.wake.set()
+
+    async def rotate_now(self, timeout: float = 30.0) -> None:
+        """Rotate the young agent as soon as a spare is ready (a region must be registered anew)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._forced.append(fut)
+        self.poke()
+        async with asyncio.timeout(timeout):
+            await asyncio.shield(fut)
+
+    async def wait_retired(self, gids: Iterable[int], timeout: float) -> bool:
+        """Fence `gids` now (no batching delay) and wait until each is destroyed."""
+        deadline = self._clock() + timeout
+        gids = list(gids)
+        self._urgent.update(gids)
+        self.poke()
+        for gid in gids:
+            if not self.gens.has(gid):
+                continue
+            event = self._retired.setdefault(gid, asyncio.Event())
+            try:
+                async with asyncio.timeout(max(0.0, deadline - self._clock())):
+                    await event.wait()
+            except TimeoutError:
+                return False
+        return True
+
+    # -- the fencer's answers --------------------------------------------------------------
+    @property
+    def rotation_forced(self) -> bool:
+        return bool(self._forced)
+
+    def urgent(self, gid: int) -> bool:
+        return gid in self._urgent
+
+    def rotated(self) -> None:
+        """The young agent was rotated: every `rotate_now` waiting returns."""
+        forced, self._forced = self._forced, []
+        for fut in forced:
+            if not fut.done():
+                fut.set_result(None)
+
+    def retired(self, gid: int) -> None:
+        """Generation `gid` was destroyed: its fence is up; `wait_retired` on it returns."""
+        self._urgent.discard(gid)
+        event = self._retired.pop(gid, None)
+        if event is not None:
+            event.set()
+
+    def stopping(self) -> None:
+        """The fencer stops: nobody will rotate any more."""
+        forced, self._forced = self._forced, []
+        for fut in forced:
+            if not fut.done():
+                fut.set_exception(TransportError("agent stopping"))

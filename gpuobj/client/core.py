@@ -1,0 +1,578 @@
+"""The client's async core: put, fetch, borrow, share, adopt, release, streams' I/O, on the client loop.
+
+Why a core under the facade: every operation is written once, as a coroutine that runs on
+the client's own loop (loop.py); `gpuobj.Client` (client.py) only bridges sync and async
+callers to it, with a deadline and the error translation. Streams (streams.py) use this core
+directly, through its public methods, never through the facade's internals.
+
+Kubernetes side: GPUObjects (with the gpuobj.io/free finalizer) and GPUObjectClaims (owned by
+the holder pod) are written behind the caller (writebehind.py): put, share and release return
+once the bytes are stored and the writes queued; an object whose whole life fits in the write
+window is never written at all (docs/write-behind.md). Byte side: the pod's embedded agent
+(gpuobj_agent.runtime.AgentRuntime) stores, registers and reads with NIXL; a hand-off carries
+a read grant, so the receiver's fetch makes no request to the source.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gpuobj.client import errors
+from gpuobj.client.errors import FetchError, ObjectLostError, ObjectNotFoundError
+from gpuobj.client.handles import ObjectAddress, ObjectRef, SharedRef, TensorLayout
+from gpuobj.client.releases import ReleaseQueue
+from gpuobj.client.writebehind import WriteBehind
+from gpuobj_agent.layouts import layout_of
+from gpuobj_contract import agent_api as api
+from gpuobj_contract import names
+from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, Conflict, KubeClient, NotFound
+from gpuobj_kube.config import KubeConfig
+
+log = logging.getLogger("gpuobj.client")
+
+POD_UID_TTL = 30.0
+# A fetch that failed because the source's process is gone waits this long for the operator to say Lost
+# (it probes agents every second or so), so the reader gets ObjectLostError, as for a deleted pod.
+LOST_WAIT = 5.0
+HANDOFF_RELEASE_TIMEOUT = 5.0
+ANNOTATION_STREAM_END = f"{names.GROUP}/stream-end"
+
+
+def _short_id() -> str:
+    return uuid.uuid4().hex
+
+
+def describe_ref(ref: Any) -> str:
+    address = getattr(ref, "address", ref)
+    return f"GPUObject {getattr(address, 'namespace', '?')}/{getattr(address, 'name', '?')}"
+
+
+def live_address(ref: ObjectRef | ObjectAddress, action: str) -> ObjectAddress:
+    """The address of a handle that still holds its reference; a released one refuses (it no longer keeps the bytes)."""
+    if isinstance(ref, ObjectRef):
+        if ref.kind != "address" and not ref.alive:
+            raise errors.ReleasedHandleError(
+                f"cannot {action} {describe_ref(ref)}: this handle was released; borrow or adopt a new reference"
+            )
+        return ref.address
+    if isinstance(ref, ObjectAddress):
+        return ref
+    raise TypeError(f"cannot {action} {type(ref).__name__}: expected an ObjectRef or ObjectAddress")
+
+
+def tensor_list(tensors: Any, *, what: str) -> list:
+    """A list of torch tensors from a tensor or a list/tuple of them; anything else is a clear error."""
+    import torch
+
+    items = list(tensors) if isinstance(tensors, list | tuple) else [tensors]
+    if not items:
+        raise errors.InvalidTensorError(f"{what}: no tensors given (pass a tensor or a non-empty list of tensors)")
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise errors.InvalidTensorError(
+                f"{what}: item {i} is a {type(t).__name__}, not a torch.Tensor "
+                "(pass a tensor or a list/tuple of tensors; convert with torch.as_tensor)"
+            )
+    return items
+
+
+def _source_may_be_gone(exc: BaseException) -> bool:
+    """The source agent refused us or no longer knows the object: its process may have died (or freed it)."""
+    from gpuobj_agent.errors import ObjectGone, SourceUnavailable
+
+    return isinstance(exc, SourceUnavailable | ObjectGone)
+
+
+class ClientCore:
+    """Everything a client does, as coroutines on one loop; create it on that loop (`create`)."""
+
+    def __init__(
+        self,
+        *,
+        pod_name: str,
+        namespace: str,
+        pod_uid: str,
+        agent: Any,
+        kube: KubeClient,
+        token_file: str | Path | None,
+        timeout: float,
+        write_behind: dict[str, Any] | None,
+    ) -> None:
+        """``write_behind``: WriteBehind's options (window, max_pending, backpressure_timeout), or None
+        to write every record and release on the caller's path."""
+        self.pod_name = pod_name
+        self.namespace = namespace
+        self.pod_uid = pod_uid
+        self.agent = agent
+        self.kube = kube
+        self.timeout = timeout
+        self.token_file = Path(token_file) if token_file else None
+        self.loop = asyncio.get_running_loop()
+        # Releases queued by handle finalizers (any thread, even during interpreter shutdown).
+        self.releases = ReleaseQueue(self.loop, self._process_release)
+        self.live: weakref.WeakSet[ObjectRef] = weakref.WeakSet()  # handles to release at close
+        self._read_once: weakref.WeakSet[ObjectRef] = weakref.WeakSet()
+        self._pod_uids: dict[tuple[str, str], tuple[str, float]] = {}
+        self._http: Any = None  # aiohttp session for hand-off releases, made on first use
+        self.wb: WriteBehind | None = None
+        if write_behind is not None:
+            self.wb = WriteBehind(kube, free_local=self.free_local, **write_behind)
+
+    @classmethod
+    async def create(cls, kube_config: KubeConfig, **kwargs: Any) -> ClientCore:
+        """On the client loop: the core and its REST client bind to the loop they are made on."""
+        return cls(kube=KubeClient(kube_config), **kwargs)
+
+    # ------------------------------------------------------------ identity
+
+    @property
+    def incarnation(self) -> str | None:
+        """This process's agent incarnation: a sender passes it to ``share`` so the claim dies with us."""
+        return getattr(self.agent, "incarnation", None)
+
+    def _incarnation_field(self, incarnation: str | None = None) -> dict:
+        value = incarnation or self.incarnation
+        return {"incarnation": value} if value else {}
+
+    def token(self) -> str | None:
+        return self.token_file.read_text().strip() if self.token_file else None
+
+    # ------------------------------------------------------------ objects
+
+    def object_body(
+        self,
+        name: str,
+        object_id: str,
+        layouts: Sequence[TensorLayout],
+        *,
+        labels: dict[str, str] | None = None,
+        stream: tuple[str, int, str] | None = None,
+        shared_with: Sequence[str] = (),
+    ) -> dict:
+        meta: dict = {
+            "name": name,
+            "finalizers": [names.FINALIZER_FREE],
+            "labels": {names.LABEL_SOURCE_POD: self.pod_name, **(labels or {})},
+            "annotations": {names.ANNOTATION_SOURCE_ENDPOINT: self.agent.endpoint},
+        }
+        spec: dict = {
+            "source": {"podName": self.pod_name, "podUID": self.pod_uid, **self._incarnation_field()},
+            "objectId": object_id,
+            "tensors": [t.to_json() for t in layouts],
+        }
+        if shared_with:
+            spec["sharedWith"] = list(shared_with)
+        if stream is not None:
+            stream_name, index, stream_uid = stream
+            meta["labels"][names.LABEL_STREAM] = stream_name
+            meta["ownerReferences"] = [
+                {
+                    "apiVersion": names.API_VERSION,
+                    "kind": names.KIND_STREAM,
+                    "name": stream_name,
+                    "uid": stream_uid,
+                }
+            ]
+            spec["stream"] = {"name": stream_name, "index": index}
+        return {"metadata": meta, "spec": spec}
+
+    async def put(
+        self,
+        tensors: Any,
+        *,
+        name: str | None = None,
+        labels: dict[str, str] | None = None,
+        stream: tuple[str, int, str] | None = None,
+        copy: bool = False,
+        shared_with: Sequence[str] = (),
+    ) -> ObjectRef:
+        tensors = tensor_list(tensors, what="put")
+        object_id = f"o-{_short_id()}"
+        name = name or f"{self.pod_name}-{object_id[2:12]}"
+        layouts = tuple(layout_of(t) for t in tensors)
+        stream_kw: dict[str, Any] = {"stream": stream[0], "stream_index": stream[1]} if stream else {}
+        if shared_with:
+            stream_kw["shared_with"] = tuple(shared_with)
+        await self.agent.aput(object_id, tensors, copy=copy, **stream_kw)
+        if self.wb is not None and stream is None:
+            body = self.object_body(name, object_id, layouts, labels=labels, shared_with=shared_with)
+            try:
+                record = await self.wb.create_object(self.namespace, name, body, object_id)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await self.agent.afree(object_id)
+                raise
+            address = ObjectAddress(self.namespace, name, "", object_id, self.pod_name, self.agent.endpoint, layouts)
+            return self.track(ObjectRef(address, "owner", self.releases.put, record=record))
+        try:
+            created = await self.kube.create(
+                GPUOBJECTS,
+                self.object_body(name, object_id, layouts, labels=labels, stream=stream, shared_with=shared_with),
+                self.namespace,
+            )
+        except BaseException:
+            # The write failed: nothing in the API references these bytes, so free them now (seed 003).
+            with contextlib.suppress(Exception):
+                await self.agent.afree(object_id)
+            raise
+        address = ObjectAddress(
+            self.namespace, name, created["metadata"]["uid"], object_id, self.pod_name, self.agent.endpoint, layouts
+        )
+        return self.track(ObjectRef(address, "owner", self.releases.put))
+
+    def publish(self, key: str, tensors: Any) -> None:
+        """Offer tensors under a key, for a GPUObject declared with kubectl (spec.key) to bind (any thread)."""
+        self.agent.publish(key, tensor_list(tensors, what=f"publish {key!r}"))
+
+    async def get_object(self, name: str) -> dict:
+        return await self.kube.get(GPUOBJECTS, name, self.namespace)
+
+    # ------------------------------------------------------------ fetch
+
+    def fetch_direct(self, ref: ObjectRef | ObjectAddress, *, device: str) -> list | None:
+        """In the calling thread, with no loop hop and no request: a hand-off that carries a read grant.
+
+        None when this path does not apply or fails (a stale grant, an error): `fetch` then says why."""
+        if not (
+            isinstance(ref, ObjectRef)
+            and ref.grant is not None
+            and ref.claim_name
+            and hasattr(self.agent, "fetch_granted_direct")
+        ):
+            return None
+        claim = ref.claim_name
+        self.releases.begin_read(claim)
+        try:
+            if ref.alive:
+                address = ref.address
+                with contextlib.suppress(Exception):  # stale grant or error: the full path says why
+                    tensors = self.agent.fetch_granted_direct(
+                        address.source_endpoint, address.object_id, ref.grant, device=device, timeout=self.timeout
+                    )
+                    if ref in self._read_once:
+                        ref.release()  # a read-once hand-off: its one read is done (lands after end_read)
+                    return tensors
+        finally:
+            self.releases.end_read(claim)
+        return None
+
+    async def fetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
+        address = live_address(ref, "fetch")  # a released handle refuses
+        granted = isinstance(ref, ObjectRef) and ref.grant is not None and ref.claim_name is not None
+        claim = ref.claim_name if granted else None  # type: ignore[union-attr]
+        if claim is not None:
+            self.releases.begin_read(claim)  # its release waits for this read
+        try:
+            # The runtime's async API runs on the agent's own loop: no thread is blocked waiting.
+            if claim is not None:
+                tensors = await self.agent.afetch_granted(
+                    address.source_endpoint,
+                    address.object_id,
+                    ref.grant,  # type: ignore[union-attr]
+                    device=device,
+                    token=self.token(),
+                )
+            else:
+                tensors = await self.agent.afetch(
+                    address.source_endpoint, address.object_id, device=device, token=self.token()
+                )
+            if isinstance(ref, ObjectRef) and ref in self._read_once:
+                await self.release(ref)  # a read-once hand-off: its one read is done
+            return tensors
+        except Exception as exc:
+            # Say why: a Lost object (source gone) reads differently from a freed one.
+            deadline = time.monotonic() + (LOST_WAIT if _source_may_be_gone(exc) else 0.0)
+            while True:
+                try:
+                    obj = await self.kube.get(GPUOBJECTS, address.name, address.namespace)
+                except NotFound:
+                    raise ObjectNotFoundError(
+                        f"GPUObject {address.namespace}/{address.name} no longer exists (freed): {exc}"
+                    ) from exc
+                if (obj.get("status") or {}).get("state") == names.STATE_LOST or time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(0.25)
+            status = obj.get("status") or {}
+            if status.get("state") == names.STATE_LOST:
+                reason = next(
+                    (
+                        c.get("message")
+                        for c in status.get("conditions", [])
+                        if c.get("type") == names.CONDITION_SOURCE_AVAILABLE
+                    ),
+                    "source gone",
+                )
+                raise ObjectLostError(f"GPUObject {address.namespace}/{address.name} is Lost: {reason}") from exc
+            raise FetchError(
+                f"fetching {address.namespace}/{address.name} from {address.source_endpoint} failed: {exc}"
+            ) from exc
+        finally:
+            if claim is not None:
+                self.releases.end_read(claim)
+
+    # ------------------------------------------------------------ claims: borrow, share, adopt
+
+    def _claim_body(
+        self,
+        address: ObjectAddress,
+        holder_pod: str,
+        holder_uid: str,
+        incarnation: str | None = None,
+        ttl: int | None = None,
+    ) -> dict:
+        if ttl is not None and (not isinstance(ttl, int) or ttl < 1):
+            raise ValueError(f"ttl must be a whole number of seconds >= 1, not {ttl!r}")
+        spec: dict = {
+            "objectName": address.name,
+            # Scoped to a process: ours, or the receiver's when the sender knows it.
+            "holder": {"podName": holder_pod, **({"incarnation": incarnation} if incarnation else {})},
+            **({"ttlSeconds": ttl} if ttl else {}),
+        }
+        if address.uid:
+            spec["objectUID"] = address.uid  # else the write-behind pins the uid it created
+        return {
+            "metadata": {
+                "name": f"{address.name[:200]}-{holder_pod[:40]}-{_short_id()[:6]}",
+                "labels": {names.LABEL_OBJECT: address.name[:63]},
+                "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": holder_pod, "uid": holder_uid}],
+                # On a receiver's behalf: say who shares, so admission can check it is us (docs/security.md).
+                **({"annotations": {names.ANNOTATION_SHARED_BY: self.pod_name}} if holder_pod != self.pod_name else {}),
+            },
+            "spec": spec,
+        }
+
+    async def _create_claim(
+        self,
+        address: ObjectAddress,
+        holder_pod: str,
+        holder_uid: str,
+        incarnation: str | None = None,
+        ttl: int | None = None,
+    ) -> dict:
+        body = self._claim_body(address, holder_pod, holder_uid, incarnation, ttl)
+        return await self.kube.create(CLAIMS, body, address.namespace)
+
+    async def borrow(self, ref: ObjectRef | ObjectAddress, ttl: int | None = None) -> ObjectRef:
+        address = live_address(ref, "borrow")
+        if self.wb is not None:
+            body = self._claim_body(address, self.pod_name, self.pod_uid, self.incarnation, ttl)
+            name = body["metadata"]["name"]
+            record = await self.wb.create_claim(address.namespace, address.name, name, body)
+            return self.track(
+                ObjectRef(address, "claim", self.releases.put, claim_name=name, claim_uid="", record=record)
+            )
+        created = await self._create_claim(address, self.pod_name, self.pod_uid, self.incarnation, ttl)
+        return self.track(
+            ObjectRef(
+                address,
+                "claim",
+                self.releases.put,
+                claim_name=created["metadata"]["name"],
+                claim_uid=created["metadata"]["uid"],
+            )
+        )
+
+    async def share(
+        self,
+        ref: ObjectRef | ObjectAddress,
+        pod_name: str,
+        pod_uid: str | None,
+        incarnation: str | None = None,
+        *,
+        ttl: int | None = None,
+        read_once: bool = False,
+    ) -> SharedRef:
+        address = live_address(ref, "share")
+        if pod_uid is None:
+            pod_uid = await self._pod_uid(address.namespace, pod_name)
+        if self.wb is not None:
+            body = self._claim_body(address, pod_name, pod_uid, incarnation, ttl)
+            name = body["metadata"]["name"]
+            await self.wb.create_claim(address.namespace, address.name, name, body)
+            grant = None
+            if address.source_endpoint == self.agent.endpoint:
+                # Our own object: the receiver reads it with no request here (the claim keeps it).
+                with contextlib.suppress(Exception):
+                    grant = await self.agent.agrant(address.object_id)
+            return SharedRef(
+                address, name, "", pod_name, read_once=read_once, grant=grant, release_via=self.agent.endpoint
+            )
+        created = await self._create_claim(address, pod_name, pod_uid, incarnation, ttl)
+        return SharedRef(address, created["metadata"]["name"], created["metadata"]["uid"], pod_name, read_once)
+
+    async def _pod_uid(self, namespace: str, pod_name: str) -> str:
+        """The receiver's current incarnation, cached briefly: a claim made for an incarnation that has
+        since died is garbage-collected with it, which is right, since that receiver can no longer adopt it."""
+        now = time.monotonic()
+        cached = self._pod_uids.get((namespace, pod_name))
+        if cached and now - cached[1] < POD_UID_TTL:
+            return cached[0]
+        try:
+            uid = (await self.kube.get(PODS, pod_name, namespace))["metadata"]["uid"]
+        except NotFound:
+            raise errors.PodNotFoundError(
+                f"pod {namespace}/{pod_name} does not exist: share with a running pod (check its name)"
+            ) from None
+        self._pod_uids[(namespace, pod_name)] = (uid, now)
+        return uid
+
+    def adopt(self, shared: SharedRef) -> ObjectRef:
+        """Take over a claim another pod made for this one (any thread, no I/O)."""
+        if shared.holder_pod != self.pod_name:
+            raise errors.GpuObjError(
+                f"this reference was shared with pod {shared.holder_pod}, not {self.pod_name}: "
+                f"share it with {self.pod_name} instead"
+            )
+        ref = self.track(
+            ObjectRef(
+                shared.address,
+                "claim",
+                self.releases.put,
+                claim_name=shared.claim_name,
+                claim_uid=shared.claim_uid,
+                grant=shared.grant,
+                via=shared.release_via,
+            )
+        )
+        if shared.read_once:
+            self._read_once.add(ref)
+        return ref
+
+    def track(self, ref: ObjectRef) -> ObjectRef:
+        self.live.add(ref)
+        return ref
+
+    # ------------------------------------------------------------ releases
+
+    async def release(self, ref: ObjectRef) -> None:
+        if not ref.alive:
+            return
+        ref.release()  # queues it (any thread may release); drain now so an elided free happens before we return
+        await self.releases.drain()
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Send every queued release and API write now and wait until all have landed."""
+        await self.releases.drain()
+        if self.wb is not None:
+            await self.wb.flush(self.timeout if timeout is None else timeout)
+
+    async def write_stats(self) -> dict:
+        return self.wb.stats() if self.wb is not None else {"pending": 0}
+
+    async def _delete(self, kind: str, namespace: str, name: str, uid: str) -> None:
+        res = GPUOBJECTS if kind == "object" else CLAIMS
+        try:
+            await self.kube.delete(res, name, namespace, uid=uid)
+        except (NotFound, Conflict):
+            pass  # already gone, or a successor of the same name that is not ours
+
+    async def _process_release(self, kind: str, namespace: str, name: str, uid: str, via: str | None) -> None:
+        if self.wb is None:
+            await self._delete(kind, namespace, name, uid)
+            return
+        # A hand-off: the source queued this claim, so the source takes its release (it may never
+        # have been recorded). If the source does not know it (restarted) or is gone, delete it here.
+        if kind == "claim" and via and via != self.agent.endpoint and await self._release_at_source(via, name):
+            return
+        outcome = self.wb.release(kind, namespace, name, uid)
+        if outcome.free_object_id is not None:
+            await self.free_local(outcome.free_object_id)
+
+    async def free_local(self, object_id: str) -> None:
+        """Free an object of our own agent that nothing recorded (elided, or its record was refused)."""
+        await self.agent.afree(object_id)
+
+    async def _release_at_source(self, via: str, claim: str) -> bool:
+        import aiohttp
+
+        if self._http is None:
+            self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32))
+        token = self.token()
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        try:
+            async with self._http.post(
+                f"http://{via}{api.RELEASE_HANDOFF.path(claim=claim)}",
+                json={},
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=HANDOFF_RELEASE_TIMEOUT),
+            ) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            log.debug("hand-off release of %s at %s: %s; deleting it in the API", claim, via, exc)
+            return False
+
+    async def handoff_sink(self, claim: str) -> bool:
+        """On the agent's loop: a receiver released a claim we made for it. Handled on our loop."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._handoff_release(claim), self.loop))
+
+    async def _handoff_release(self, claim: str) -> bool:
+        if self.wb is None:
+            return False
+        found = self.wb.find("claim", self.namespace, claim)
+        if found is None:
+            return False
+        rec = found[1]
+        outcome = self.wb.release("claim", rec.namespace, claim, rec.uid)
+        if outcome.free_object_id is not None:
+            await self.free_local(outcome.free_object_id)
+        return True
+
+    # ------------------------------------------------------------ streams (streams.py)
+
+    async def create_stream(self, name: str) -> str:
+        """Create the GPUObjectStream `name` with this pod as producer; returns its uid."""
+        body = {
+            "metadata": {
+                "name": name,
+                "finalizers": [names.FINALIZER_FREE],
+                # If the producer pod goes, so does the stream (and every item with it).
+                "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": self.pod_name, "uid": self.pod_uid}],
+            },
+            "spec": {"producer": {"podName": self.pod_name}},
+        }
+        created = await self.kube.create(STREAMS, body, self.namespace)
+        return created["metadata"]["uid"]
+
+    async def end_stream(self, name: str, end: int) -> None:
+        """Mark the end: readers stop after item `end - 1`."""
+        await self.kube.patch(
+            STREAMS, name, {"metadata": {"annotations": {ANNOTATION_STREAM_END: str(end)}}}, self.namespace
+        )
+
+    async def advance_stream(self, name: str, consumed: int) -> None:
+        """Record the read position (status.consumed): a late report of an item before it is recognisably stale."""
+        await self.kube.patch(STREAMS, name, {"status": {"consumed": consumed}}, self.namespace, subresource="status")
+
+    async def delete_item(self, address: ObjectAddress) -> None:
+        """Drop a consumed stream item (its GPUObject)."""
+        try:
+            await self.kube.delete(GPUOBJECTS, address.name, address.namespace, uid=address.uid)
+        except (NotFound, Conflict):
+            pass
+
+    async def delete_stream(self, name: str) -> None:
+        """Delete the stream: every item in it is freed, reported or not."""
+        try:
+            await self.kube.delete(STREAMS, name, self.namespace, propagation="Background")
+        except NotFound:
+            pass
+
+    # ------------------------------------------------------------ shutdown
+
+    async def close_writes(self) -> None:
+        if self.wb is not None:
+            await self.wb.close()
+
+    async def close_connections(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+        await self.kube.close()

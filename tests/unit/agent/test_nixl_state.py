@@ -1,0 +1,111 @@
+"""The NIXL state the store and the fencer share: generations in and out, deregistration, and the
+requests the store makes of the fencer (rotate now, wait for a fence) with the fencer's answers.
+
+No NIXL here (a generation's agent is a stand-in); tests/integration/agent/test_store.py runs the
+same object with real NIXL agents, the store and the fencer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from gpuobj_agent.errors import TransportError
+from gpuobj_agent.generations import Generation
+from gpuobj_agent.metrics import AgentMetrics, Levels
+from gpuobj_agent.nixl_state import NixlState
+from gpuobj_agent.registrations import RegionKey
+
+
+class StandInAgent:
+    def __init__(self, fail: bool = False) -> None:
+        self.deregistered: list[RegionKey] = []
+        self.fail = fail
+
+    def deregister(self, keys: list[RegionKey]) -> None:
+        if self.fail:
+            raise TransportError("NIXL said no")
+        self.deregistered.extend(keys)
+
+
+def with_state(body) -> None:
+    async def go() -> None:
+        with ThreadPoolExecutor(1) as control:
+            await body(NixlState("gpuobj.ns.pod.inc", control=control, metrics=AgentMetrics(Levels)))
+
+    asyncio.run(go())
+
+
+def add(nixl: NixlState, agent: object) -> Generation:
+    gid, name = nixl.gens.new_name()
+    gen = Generation(gid, name, agent, created_at=0.0)
+    nixl.add_generation(gen)
+    return gen
+
+
+def test_a_generation_joins_everything_and_retires_only_once_it_holds_nothing() -> None:
+    async def body(nixl: NixlState) -> None:
+        agent = StandInAgent()
+        gen = add(nixl, agent)
+        key = RegionKey("DRAM", 0, 4096, 64)
+        assert nixl.members[gen.gid] == set() and nixl.ledger.generations() == [gen.gid]
+        async with nixl.lock:
+            assert nixl.ledger.acquire(gen.gid, [key], "o1") == [key]
+            nixl.ledger.release(gen.gid, "o1")
+            await nixl.deregister(gen.gid, [key])
+        assert agent.deregistered == [key] and nixl.ledger.balanced()
+        async with nixl.lock:
+            nixl.retire_generation(gen.gid)
+        assert not nixl.gens.has(gen.gid) and gen.gid not in nixl.members and nixl.ledger.generations() == []
+
+    with_state(body)
+
+
+def test_a_failed_deregister_is_recorded_anyway_and_counted_as_an_error() -> None:
+    async def body(nixl: NixlState) -> None:
+        gen = add(nixl, StandInAgent(fail=True))
+        key = RegionKey("DRAM", 0, 8192, 64)
+        async with nixl.lock:
+            nixl.ledger.acquire(gen.gid, [key], "o1")
+            nixl.ledger.release(gen.gid, "o1")
+            await nixl.deregister(gen.gid, [key])  # the agent is destroyed anyway: never raise here
+        assert nixl.ledger.balanced()
+        assert b'gpuobj_agent_errors_total{kind="nixl_deregister"} 1.0' in nixl.metrics.render()
+
+    with_state(body)
+
+
+def test_rotate_now_returns_when_the_fencer_rotates_and_fails_when_it_stops() -> None:
+    async def body(nixl: NixlState) -> None:
+        waiting = asyncio.create_task(nixl.rotate_now(timeout=5))
+        await asyncio.sleep(0)
+        assert nixl.rotation_forced and nixl.wake.is_set()
+        nixl.rotated()
+        await waiting
+        assert not nixl.rotation_forced
+        waiting = asyncio.create_task(nixl.rotate_now(timeout=5))
+        await asyncio.sleep(0)
+        nixl.stopping()
+        with pytest.raises(TransportError, match="agent stopping"):
+            await waiting
+
+    with_state(body)
+
+
+def test_wait_retired_marks_the_generation_urgent_and_returns_once_it_is_fenced() -> None:
+    async def body(nixl: NixlState) -> None:
+        gen = add(nixl, StandInAgent())
+        waiting = asyncio.create_task(nixl.wait_retired([gen.gid, 999], timeout=5))  # 999: already gone
+        await asyncio.sleep(0)
+        assert nixl.urgent(gen.gid) and nixl.wake.is_set()
+        async with nixl.lock:
+            nixl.retire_generation(gen.gid)
+        nixl.retired(gen.gid)
+        assert await waiting is True
+        assert not nixl.urgent(gen.gid)
+        other = add(nixl, StandInAgent())
+        assert await nixl.wait_retired([other.gid], timeout=0.01) is False  # nobody fenced it in time
+
+    with_state(body)

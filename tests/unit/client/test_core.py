@@ -1,0 +1,175 @@
+"""The client's async core (gpuobj.client.core) on one loop, with stand-ins for the agent and the API.
+
+Pure logic: what the core writes, frees and refuses. The same code runs against the real API
+server and agents in tests/e2e/operator/test_lifecycle.py, test_write_behind.py and
+test_client_errors.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from gpuobj.client import errors
+from gpuobj.client.core import ClientCore
+from gpuobj.client.handles import SharedRef
+from gpuobj_kube.client import NotFound
+
+
+class Agent:
+    """The embedded agent's async API, holding objects in a dict."""
+
+    endpoint = "10.0.0.1:8470"
+    incarnation = "inc-1"
+
+    def __init__(self) -> None:
+        self.objects: dict[str, list] = {}
+        self.fetched: list[str] = []
+
+    async def aput(self, object_id: str, tensors: list, copy: bool = False, **_: object) -> None:
+        self.objects[object_id] = tensors
+
+    async def afree(self, object_id: str) -> None:
+        self.objects.pop(object_id, None)
+
+    async def afetch(self, endpoint: str, object_id: str, *, device: str, token: str | None) -> list:
+        self.fetched.append(object_id)
+        return self.objects[object_id]
+
+    async def afetch_granted(self, endpoint: str, object_id: str, grant: dict, *, device: str, token: str | None):
+        return await self.afetch(endpoint, object_id, device=device, token=token)
+
+    async def agrant(self, object_id: str) -> dict:
+        return {"object": object_id}
+
+
+class Api:
+    """GPUObjects, claims and pods by (plural, name)."""
+
+    def __init__(self) -> None:
+        self.items: dict[tuple[str, str], dict] = {("pods", "reader"): {"metadata": {"uid": "pod-uid-r"}}}
+        self.uids = 0
+
+    async def create(self, res, body, namespace):
+        self.uids += 1
+        created = {**body, "metadata": {**body["metadata"], "uid": f"u{self.uids}", "namespace": namespace}}
+        self.items[(res.plural, body["metadata"]["name"])] = created
+        return created
+
+    async def get(self, res, name, namespace):
+        try:
+            return self.items[(res.plural, name)]
+        except KeyError:
+            raise NotFound(404, "NotFound", f"{res.plural} {name} not found") from None
+
+    async def delete(self, res, name, namespace, uid=None, **_: object):
+        self.items.pop((res.plural, name), None)
+
+    async def close(self) -> None:
+        pass
+
+    def names(self, plural: str) -> list[str]:
+        return sorted(n for p, n in self.items if p == plural)
+
+
+def run(body, *, write_behind: dict | None = None) -> None:
+    async def go() -> None:
+        agent, api = Agent(), Api()
+        core = ClientCore(
+            pod_name="src",
+            namespace="ns",
+            pod_uid="pod-uid-s",
+            agent=agent,
+            kube=api,  # type: ignore[arg-type]
+            token_file=None,
+            timeout=5.0,
+            write_behind=write_behind,
+        )
+        worker = asyncio.create_task(core.releases.run())
+        try:
+            await body(core, agent, api)
+        finally:
+            worker.cancel()
+            await asyncio.gather(worker, return_exceptions=True)
+            await core.close_writes()
+
+    asyncio.run(go())
+
+
+def test_put_then_release_records_the_object_then_deletes_it_and_nothing_is_held() -> None:
+    async def body(core: ClientCore, agent: Agent, api: Api) -> None:
+        ref = await core.put([torch.ones(4)], name="w")
+        assert api.names("gpuobjects") == ["w"] and ref.address.uid == "u1"
+        assert api.items[("gpuobjects", "w")]["spec"]["source"] == {
+            "podName": "src",
+            "podUID": "pod-uid-s",
+            "incarnation": "inc-1",
+        }
+        assert await core.fetch(ref) == agent.objects[ref.address.object_id]
+        await core.release(ref)
+        assert api.names("gpuobjects") == [] and not ref.alive
+        with pytest.raises(errors.ReleasedHandleError):
+            await core.fetch(ref)
+        with pytest.raises(errors.ReleasedHandleError):
+            await core.borrow(ref)
+
+    run(body)
+
+
+def test_a_put_whose_record_fails_frees_its_bytes() -> None:
+    async def body(core: ClientCore, agent: Agent, api: Api) -> None:
+        async def refuse(*_: object) -> dict:
+            raise ConnectionRefusedError("API down")
+
+        api.create = refuse  # type: ignore[method-assign]
+        with pytest.raises(ConnectionRefusedError):
+            await core.put([torch.ones(4)], name="w")
+        assert agent.objects == {}
+
+    run(body)
+
+
+def test_put_of_something_that_is_not_tensors_is_refused_before_anything_is_stored() -> None:
+    async def body(core: ClientCore, agent: Agent, api: Api) -> None:
+        with pytest.raises(errors.InvalidTensorError, match="item 0 is a list"):
+            await core.put([[1.0, 2.0]])
+        assert agent.objects == {} and api.names("gpuobjects") == []
+
+    run(body)
+
+
+def test_share_claims_for_the_receiver_and_a_read_once_adoption_releases_after_its_read() -> None:
+    async def body(core: ClientCore, agent: Agent, api: Api) -> None:
+        ref = await core.put([torch.ones(4)], name="w")
+        shared = await core.share(ref, "reader", None, read_once=True)
+        [claim] = api.names("gpuobjectclaims")
+        assert api.items[("gpuobjectclaims", claim)]["metadata"]["ownerReferences"][0]["uid"] == "pod-uid-r"
+        with pytest.raises(errors.PodNotFoundError, match="ns/nobody does not exist"):
+            await core.share(ref, "nobody", None)
+        # The receiver's core (same pod name here) adopts it; its one read releases the claim.
+        mine = SharedRef(shared.address, shared.claim_name, shared.claim_uid, "src", read_once=True)
+        adopted = core.adopt(mine)
+        with pytest.raises(errors.GpuObjError, match="shared with pod reader"):
+            core.adopt(shared)
+        await core.fetch(adopted)
+        await core.releases.drain()
+        assert not adopted.alive and api.names("gpuobjectclaims") == []
+        await core.release(ref)
+        assert api.names("gpuobjects") == [] and not any(r.alive for r in core.live)
+
+    run(body)
+
+
+def test_with_write_behind_an_object_released_inside_the_window_is_never_written_and_is_freed() -> None:
+    async def body(core: ClientCore, agent: Agent, api: Api) -> None:
+        ref = await core.put([torch.ones(4)], name="w")
+        assert agent.objects and ref.pending
+        await core.release(ref)
+        await core.flush(5.0)
+        assert agent.objects == {}  # freed by the core, since nothing recorded it
+        assert api.names("gpuobjects") == []
+        assert (await core.write_stats())["pending"] == 0
+
+    run(body, write_behind={"window": 30.0})
