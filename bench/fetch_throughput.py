@@ -3,15 +3,15 @@
 Two processes: a source agent (a `gpuobj_dev.testing.agent_workload` workload process holding the
 objects) and this process, which runs an embedded agent and reads from the source.
 For each size it measures, all between the same two processes:
-- torch copy: `dst.copy_(src)` in this process, the memory-bandwidth ceiling;
+- torch copy: `dst.copy_(src)` in this process on one thread (a one-thread memcpy);
 - raw NIXL: the source's descriptors loaded once, destination registered once, one
   READ re-posted back to back (the best NIXL can do, no control plane at all);
 - fetch: `AgentRuntime.fetch` (read ticket over HTTP, metadata load, a landing buffer,
   READ, ticket end): one at a time, and 4 in flight;
 - grant: `AgentRuntime.fetch_granted_direct` with a cached read grant (what a hand-off
   carries): no request, no thread hop, a landing buffer, READ;
-torch copy, raw NIXL and fetch are measured in alternating bursts (median of --rounds),
-so noise from other work on the machine hits all three alike.
+All methods are measured in alternating bursts of 50 ms (median over every burst of --rounds
+rounds), so noise from other work on the machine hits all of them alike.
 - Ray RDT (actor to actor, tensor_transport="nixl"), if `ray` is importable.
 Target: fetch at least 90% of raw NIXL from 1 MiB up.
 
@@ -41,6 +41,7 @@ from gpuobj_agent.runtime import AgentRuntime
 from gpuobj_dev.testing.agent_workload import AgentProcess
 from gpuobj_dev.testing.issuer import OPERATOR, default_issuer
 
+BURST_SECONDS = 0.05  # methods alternate in bursts this long (a call longer than that is a burst of 2)
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "B": 1}
 
 
@@ -77,11 +78,16 @@ def interleaved(
     so the ratios hold even when absolute numbers wander. `prepare` runs before each round.
     """
     samples: dict[str, list[float]] = {name: [] for name in methods}
+    share = seconds / rounds  # per method and round
+    burst = min(BURST_SECONDS, share)
     for _ in range(rounds):
         if prepare is not None:
             prepare()
-        for name, fn in methods.items():
-            samples[name].append(timed(fn, seconds / rounds, min_iters=2))
+        spent = 0.0
+        while spent < share:  # short bursts, methods alternating: a load spike hits a few bursts of each
+            for name, fn in methods.items():
+                samples[name].append(timed(fn, burst, min_iters=2))
+            spent += burst
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -202,10 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="4KiB,1MiB,64MiB,256MiB")
     parser.add_argument("--seconds", type=float, default=2.0, help="time per method and size")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating bursts per size (median taken)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of 50 ms bursts per size")
     parser.add_argument("--no-ray", action="store_true")
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    torch.set_num_threads(1)  # the copy column is a one-thread memcpy (the same-node reference)
+    load_start = os.getloadavg()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("nixl").setLevel(logging.WARNING)
 
@@ -283,9 +291,11 @@ def main(argv: list[str] | None = None) -> int:
             src.close()
         ray = ray_rdt(sizes, args.seconds) if not args.no_ray else "skipped (--no-ray)"
 
+    load_end = os.getloadavg()
     print(
         f"\nfetch throughput, GB/s (1 GB = 1e9 B), two processes on {os.cpu_count()} CPUs, "
-        f"UCX_TLS={os.environ.get('UCX_TLS', 'default')}"
+        f"UCX_TLS={os.environ.get('UCX_TLS', 'default')}; load (1/5/15 min) "
+        f"{'/'.join(f'{v:.2f}' for v in load_start)} at start, {'/'.join(f'{v:.2f}' for v in load_end)} at end"
     )
     head = (
         f"{'size':>8} | {'torch copy':>10} | {'raw NIXL':>8} | {'raw us':>7} | {'raw/copy':>8} | {'fetch':>7} | "
