@@ -29,21 +29,66 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote
 
 import aiohttp
 import torch
 
 from gpuobj_agent.buffers import BINDABLE, Bound, LandingPool
 from gpuobj_agent.errors import AgentError, BadRequest, FetchError, ObjectGone, SourceUnavailable, TransportError
-from gpuobj_agent.layouts import TensorLayout, allocate, normalize_device, parse_layout
+from gpuobj_agent.layouts import TensorLayout, allocate, normalize_device
 from gpuobj_agent.metrics import AgentMetrics
 from gpuobj_agent.nixl_transport import NixlAgent, Span
-from gpuobj_agent.store import READ_END_PREFIX
+from gpuobj_contract import agent_api as api
 
 log = logging.getLogger(__name__)
 
 _DISCONNECT = ("REMOTE_DISCONNECT",)
+READ_END_PREFIX = api.READ_END_NOTIF_PREFIX.encode()  # + readId: the READ's note ends the ticket at the source
+
+# Prepared reads (see `_GrantEntry`): for objects up to PREPARED_MAX_BYTES, at most PREPARED_SLOTS per
+# grant (fetches whose tensors are all still held beyond that read the ordinary way), and at most
+# PREPARED_BUDGET bytes of landing memory bound to them in all. Above the size the per-fetch work is
+# noise next to the READ; idle ones go after PREPARED_IDLE seconds (the pool's trim).
+PREPARED_MAX_BYTES = 16 << 20
+PREPARED_SLOTS = 4
+PREPARED_BUDGET = 128 << 20
+PREPARED_IDLE = 30.0
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One prepared READ into one bound landing buffer."""
+
+    bound: Bound
+    xfer: object
+    posting: bool = True  # a fetch is reading into it (taken by its creator first)
+    doomed: bool = False  # its remote agent was forgotten while it was posting: drop after
+
+
+@dataclass(eq=False)
+class _GrantEntry:
+    """A read grant parsed once (a handle reads with the same grant dict again and again), and its
+    prepared reads.
+
+    Why prepared reads: building two descriptor lists, creating, posting and releasing a NIXL
+    transfer and carving a landing buffer per fetch took 15-30 us of Python, against a 3-5 us raw
+    READ at 4 KiB. A prepared read is created once per (grant, landing buffer) and re-posted; the
+    buffer is bound to it, and a fetch takes a slot only while no tensor of its last fetch is alive
+    (buffers.Bound), so what a caller holds is never overwritten. A slot is dropped (the NIXL
+    request released first, then the buffer unbound) when its read fails, its remote agent is
+    forgotten (retired, source gone), the grant leaves the cache, it idles, or the fetcher closes.
+    """
+
+    grant: dict[str, Any]
+    layouts: list[TensorLayout]
+    spans: list[Span | None]
+    agent: str
+    metadata: bytes
+    nbytes: int
+    md_hash: int | None
+    preparable: bool
+    slots: list[_Slot] = field(default_factory=list)
+
 
 # Prepared reads (see `_GrantEntry`): for objects up to PREPARED_MAX_BYTES, at most PREPARED_SLOTS per
 # grant (fetches whose tensors are all still held beyond that read the ordinary way), and at most
@@ -182,16 +227,17 @@ class Fetcher:
         except BadRequest as exc:
             raise FetchError(str(exc)) from None
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        ticket = await self._request(
-            "POST",
+        answer = await self._request(
+            api.BEGIN_READ,
             endpoint,
-            f"/v1/objects/{quote(object_id, safe='')}/reads",
             deadline,
             headers,
-            {"reader": self.name},
+            api.ReadRequest(self.name).to_json(),
             object_id=object_id,
+            id=object_id,
         )
-        read_id = ticket.get("readId")
+        ticket = self._parse(endpoint, answer, "read ticket")
+        read_id = ticket.read_id
         notified = False
         ok = False
         try:
@@ -199,8 +245,8 @@ class Fetcher:
             ok = True
         finally:
             elapsed = time.monotonic() - started
-            lease = float(ticket.get("leaseSeconds") or 0)
-            if isinstance(read_id, str):
+            lease = ticket.lease_seconds
+            if read_id:
                 if not ok or elapsed < lease / 2:
                     # Well inside the lease, the bytes are good whenever the source hears of the end;
                     # NIXL already told it if `notified`, else say so over HTTP in the background.
@@ -208,14 +254,9 @@ class Fetcher:
                         self._end_later(endpoint, read_id, headers)
                 else:
                     end = await self._request(
-                        "DELETE",
-                        endpoint,
-                        f"/v1/reads/{quote(read_id, safe='')}",
-                        max(deadline, time.monotonic() + 10),
-                        headers,
-                        None,
+                        api.END_READ, endpoint, max(deadline, time.monotonic() + 10), headers, None, read_id=read_id
                     )
-                    if not end.get("valid"):
+                    if not api.ReadEndAnswer.from_json(end).valid:
                         self.metrics.error("fetch_lease_expired")
                         raise FetchError(
                             f"read of {object_id} from {endpoint} outlived its {lease:g}s lease; "
@@ -249,7 +290,7 @@ class Fetcher:
         except BadRequest as exc:
             raise FetchError(str(exc)) from None
         try:
-            tensors, _ = await self._read(endpoint, grant, target, deadline)
+            tensors, _ = await self._read(endpoint, self._parse(endpoint, grant, "read grant"), target, deadline)
         except (SourceUnavailable, FetchError) as exc:
             log.debug("grant for %s on %s no longer serves (%s); asking for a ticket", object_id, endpoint, exc)
             left = deadline - time.monotonic()
@@ -414,7 +455,9 @@ class Fetcher:
         hit = self._grant_cache.get(key)  # a dict read is atomic under the GIL; writes take the lock
         if hit is not None and hit.grant is grant:
             return hit
-        layouts, spans, agent, metadata = self._parse_grant(endpoint, grant)
+        parsed = self._parse(endpoint, grant, "read grant")
+        layouts, spans, agent = list(parsed.tensors), self._spans(parsed), parsed.nixl_agent
+        metadata = self._metadata(endpoint, parsed)
         nbytes = sum(la.nbytes for la in layouts)
         entry = _GrantEntry(
             grant,
@@ -440,36 +483,35 @@ class Fetcher:
         return entry
 
     @staticmethod
-    def _parse_grant(
-        endpoint: str, grant: dict[str, Any], what: str = "read grant"
-    ) -> tuple[list[TensorLayout], list[Span | None], str, bytes]:
-        """Layouts, spans, NIXL agent name and metadata of a read grant or ticket (same shape), checked."""
+    def _parse(endpoint: str, data: Any, what: str) -> api.ReadTicket:
+        """A read ticket or grant (agent_api.ReadTicket: the same shape), checked."""
         try:
-            layouts = [parse_layout(t) for t in grant["tensors"]]
-            spans = [_span(s) for s in grant["spans"]]
-            agent = grant["nixlAgent"]
-            metadata = base64.b64decode(grant["agentMetadata"]) if any(spans) else b""
-        except (KeyError, TypeError, ValueError, AgentError) as exc:
+            return api.ReadTicket.from_json(data)
+        except ValueError as exc:
             raise FetchError(f"source {endpoint} sent a malformed {what}: {exc}") from None
-        if len(layouts) != len(spans) or not isinstance(agent, str):
-            raise FetchError(f"source {endpoint} sent a malformed {what}")
-        for s, layout in zip(spans, layouts, strict=True):
-            if s is not None and s.nbytes != layout.nbytes:
-                raise FetchError(f"source {endpoint} sent a span of {s.nbytes} bytes for a {layout.nbytes}-byte tensor")
-        return layouts, spans, agent, metadata
+
+    @staticmethod
+    def _spans(ticket: api.ReadTicket) -> list[Span | None]:
+        return [None if s is None else Span(s.mem, s.dev, s.addr, s.nbytes) for s in ticket.spans]
+
+    @staticmethod
+    def _metadata(endpoint: str, ticket: api.ReadTicket) -> bytes:
+        """The NIXL metadata to load (none when no tensor has bytes)."""
+        if not any(ticket.spans):
+            return b""
+        try:
+            return base64.b64decode(ticket.agent_metadata, validate=True)
+        except ValueError as exc:
+            raise FetchError(f"source {endpoint} sent undecodable NIXL metadata: {exc}") from None
 
     async def _read(
-        self, endpoint: str, ticket: dict[str, Any], device: str, deadline: float
+        self, endpoint: str, ticket: api.ReadTicket, device: str, deadline: float
     ) -> tuple[list[torch.Tensor], bool]:
         """Allocate, load the metadata and READ (on a transfer thread); returns (tensors, end notified)."""
-        layouts, spans, agent, metadata = self._parse_grant(endpoint, ticket, "read ticket")
-        try:
-            live = set(ticket.get("liveAgents") or ())
-            incarnation = str(ticket.get("incarnation") or "")
-            read_id = str(ticket.get("readId") or "")  # none for a grant: no ticket to end
-        except (TypeError, ValueError) as exc:
-            raise FetchError(f"source {endpoint} sent a malformed read ticket: {exc}") from None
-        forget = self._note_source(endpoint, incarnation, live, agent if any(spans) else None)
+        layouts, spans, agent = list(ticket.tensors), self._spans(ticket), ticket.nixl_agent
+        metadata = self._metadata(endpoint, ticket)
+        read_id = ticket.read_id  # none for a grant: no ticket to end
+        forget = self._note_source(endpoint, ticket.incarnation, set(ticket.live_agents), agent if any(spans) else None)
         abort = threading.Event()
         loop = asyncio.get_running_loop()
         job = loop.run_in_executor(
@@ -570,15 +612,17 @@ class Fetcher:
     # -- HTTP --------------------------------------------------------------------------
     async def _request(
         self,
-        method: str,
+        route: api.Route,
         endpoint: str,
-        path: str,
         deadline: float,
         headers: dict[str, str],
         body: dict | None,
         *,
         object_id: str | None = None,
+        **params: str,
     ) -> dict[str, Any]:
+        """One agent API call (`route` with `params`); its JSON object, or the matching FetchError."""
+        method, path = route.method, route.path(**params)
         if self._session is None:
             raise FetchError("the fetcher is not started")
         remaining = deadline - time.monotonic()
@@ -610,9 +654,7 @@ class Fetcher:
     def _end_later(self, endpoint: str, read_id: str, headers: dict[str, str]) -> None:
         async def end() -> None:
             try:
-                await self._request(
-                    "DELETE", endpoint, f"/v1/reads/{quote(read_id, safe='')}", time.monotonic() + 10, headers, None
-                )
+                await self._request(api.END_READ, endpoint, time.monotonic() + 10, headers, None, read_id=read_id)
             except AgentError as exc:  # the lease ends it anyway
                 log.debug("ending read %s on %s: %s", read_id, endpoint, exc)
 
