@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import time
 
 import pytest
 import torch
@@ -57,3 +58,55 @@ def test_a_grant_reads_the_bytes_without_a_request_and_goes_stale_cleanly_after_
     gc.collect()  # the failed reads' tracebacks held their landing tensors
     settle(src.stats)
     settle(dst.stats)
+
+
+def test_prepared_reads_land_correct_bytes_and_never_overwrite_a_tensor_still_held(make_runtime) -> None:
+    """A small CPU grant read re-posts a prepared READ into a bound landing buffer (fetch.py,
+    `_GrantEntry`): many fetches, correct bytes every time; a tensor (or a view of one) still held
+    keeps its buffer out of use; idle prepared reads are let go; stopping releases everything."""
+    from gpuobj_agent.fetch import PREPARED_IDLE, PREPARED_SLOTS
+
+    src, dst = make_runtime("src"), make_runtime("dst")
+    parts = [torch.arange(1024, dtype=torch.int32), torch.empty(0, dtype=torch.int8), torch.rand(3, 5)]
+    src.put("small", parts)
+    grant = asyncio.run(src.agrant("small"))
+    fetcher, pool = dst.agent.fetcher, dst.agent.pool
+    assert fetcher is not None and pool is not None
+
+    def fetch() -> list[torch.Tensor]:
+        got = dst.fetch_granted_direct(src.endpoint, "small", grant)
+        assert len(got) == 3 and all(torch.equal(g, p) for g, p in zip(got, parts, strict=True))
+        return got
+
+    for _ in range(300):  # one prepared read, re-posted: no new landing buffer, no new registration
+        fetch()
+    assert fetcher.prepared_reads == 1 and pool.registrations == 1
+    assert dst.stats()["landingBuffersInUse"] == 0  # nothing handed out is alive
+
+    held = fetch()
+    held[0].zero_()  # if a later fetch landed in this memory, the source's bytes would reappear
+    view = held[2][1:]  # a view outlives the tensors it came from
+    view.fill_(-1.0)
+    del held[2]
+    again = fetch()
+    assert int(held[0].abs().sum()) == 0 and bool((view == -1.0).all())
+    assert again[0].data_ptr() != held[0].data_ptr() and fetcher.prepared_reads == 2
+    assert dst.stats()["landingBuffersInUse"] == 2
+    keep = [fetch() for _ in range(PREPARED_SLOTS + 2)]  # slots all busy: further fetches carve
+    assert fetcher.prepared_reads == PREPARED_SLOTS
+    assert int(held[0].abs().sum()) == 0 and bool((view == -1.0).all())
+    del held, view, again, keep
+    fetch()  # a slot whose tensors all died is landed in again
+    assert dst.stats()["landingBuffersInUse"] == 0
+
+    pool.trim(now=time.monotonic() + PREPARED_IDLE + 1)  # idle prepared reads let their buffers go
+    assert fetcher.prepared_reads == 0
+    fetch()
+    assert fetcher.prepared_reads == 1
+
+    assert src.free("small")["freed"]
+    settle(src.stats)
+    settle(dst.stats)
+    dst.stop()  # the prepared READ is released and its buffer deregistered before the reader agent goes
+    assert fetcher.prepared_reads == 0 and pool.registrations == pool.deregistrations
+    assert dst.agent.balanced(), dst.agent.stats()
