@@ -144,6 +144,64 @@ class RawNixl:
         self.agent.close()
 
 
+def breakdown(
+    rt: AgentRuntime, endpoint: str, oid: str, grant: dict, raw: RawNixl, n: int = 2000, rounds: int = 25
+) -> None:
+    """Per-step time of one granted fetch on the prepared path, each step timed alone in interleaved
+    rounds of n calls (median over the rounds).
+
+    The steps are what `Fetcher.fetch_granted_direct` does per call once the grant is cached and its
+    READ prepared; "rest" is the total minus their sum: Python calls and attribute lookups between them.
+    """
+    fetcher = rt.agent.fetcher
+    assert fetcher is not None
+    rt.fetch_granted_direct(endpoint, oid, grant)
+    entry = fetcher._entry(endpoint, grant)
+    if not entry.slots:
+        print("  (no prepared read for this grant: breakdown skipped)")
+        return
+    slot, lock, reader = entry.slots[0], fetcher._direct_lock, fetcher.reader
+
+    def take() -> None:
+        with lock:
+            slot.bound.busy()
+
+    steps = {
+        "grant lookup (parsed once, by id)": lambda: fetcher._entry(endpoint, grant),
+        "take a free slot (lock, storage use count)": take,
+        "NIXL re-post + poll (prepared READ)": lambda: reader.repost(slot.xfer, time.monotonic() + 5),
+        "new tensors over the landing buffer (detach)": slot.bound.hand_out,
+        "metrics (bytes counter, latency histogram)": lambda: (
+            fetcher._in_bytes.inc(entry.nbytes),
+            fetcher._in_seconds.observe(1e-5),
+        ),
+        "two clock reads": lambda: (time.monotonic(), time.monotonic()),
+    }
+
+    methods: dict[str, Callable[[], object]] = {
+        "raw": raw,
+        "total": lambda: rt.fetch_granted_direct(endpoint, oid, grant),
+        **steps,
+    }
+    samples: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(rounds):  # interleaved, so a load spike hits every step alike
+        for name, fn in methods.items():
+            fn()
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            samples[name].append((time.perf_counter() - start) / n * 1e6)
+    us = {name: statistics.median(v) for name, v in samples.items()}
+    raw_us, total = us.pop("raw"), us.pop("total")
+    parts = us
+    print(f"\nper-step time of a {label(entry.nbytes)} granted fetch, us (load {os.getloadavg()[0]:.2f}):")
+    print(f"  {'raw NIXL READ (re-post + poll)':46s} {raw_us:6.2f}")
+    print(f"  {'granted fetch, total':46s} {total:6.2f}  ({total / raw_us:.2f}x raw)")
+    for name, us in parts.items():
+        print(f"    {name:44s} {us:6.2f}")
+    print(f"    {'rest (calls between the steps)':44s} {total - sum(parts.values()):6.2f}")
+
+
 def copier(nbytes: int) -> Callable[[], object]:
     a = torch.ones(nbytes, dtype=torch.uint8)
     b = torch.empty_like(a)
@@ -210,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=2.0, help="time per method and size")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of 50 ms bursts per size")
     parser.add_argument("--no-ray", action="store_true")
+    parser.add_argument("--breakdown", action="store_true", help="per-step time of a granted fetch (smallest size)")
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     torch.set_num_threads(1)  # the copy column is a one-thread memcpy (the same-node reference)
@@ -278,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                         args.rounds,
                         prepare=regrant,
                     )
+                    if args.breakdown and nbytes == min(sizes):
+                        breakdown(rt, src.endpoint, oid, grant[0], raw)
                 finally:
                     raw.close()
                 par = fetch_parallel(rt, src, oid, nbytes, args.seconds, reader_token)

@@ -311,7 +311,9 @@ class Fetcher:
         """
         started = time.monotonic()
         deadline = started + (timeout if timeout is not None else self.default_timeout)
-        entry = self._entry(endpoint, grant)
+        entry = self._grant_cache.get(id(grant))  # the common case inline: a dict read is atomic
+        if entry is None or entry.grant is not grant:
+            entry = self._entry(endpoint, grant)
         if device == "cpu" and entry.preparable:
             tensors = self._read_prepared(entry, deadline)
             if tensors is not None:
