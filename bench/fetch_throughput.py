@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from gpuobj_agent.config import AgentConfig
@@ -104,7 +105,9 @@ class RawNixl:
         self.src, self.oid = src, oid
         self.agent = NixlAgent(f"bench-raw-{oid}", progress_thread=False)
         self.impl = self.agent._a()
-        self.dst = torch.empty(nbytes, dtype=torch.uint8)
+        # Allocated as the agent's landing buffers are (numpy: huge pages from 4 MiB; pre-faulted).
+        self.dst = torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
+        self.dst.fill_(0)
         self.reg = self.impl.register_memory(self.dst)
         self.ticket: dict | None = None
         self.handle = None
