@@ -77,6 +77,8 @@ class _GrantEntry:
     (buffers.Bound), so what a caller holds is never overwritten. A slot is dropped (the NIXL
     request released first, then the buffer unbound) when its read fails, its remote agent is
     forgotten (retired, source gone), the grant leaves the cache, it idles, or the fetcher closes.
+    Only a grant read a second time gets one: a one-shot hand-off reads the ordinary way and binds
+    nothing (its entry would otherwise hold a buffer until it idles out).
     """
 
     grant: dict[str, Any]
@@ -87,6 +89,7 @@ class _GrantEntry:
     nbytes: int
     md_hash: int | None
     preparable: bool
+    read_before: bool = False  # prepared from the second read on
     slots: list[_Slot] = field(default_factory=list)
 
 
@@ -122,6 +125,8 @@ class _GrantEntry:
     (buffers.Bound), so what a caller holds is never overwritten. A slot is dropped (the NIXL
     request released first, then the buffer unbound) when its read fails, its remote agent is
     forgotten (retired, source gone), the grant leaves the cache, it idles, or the fetcher closes.
+    Only a grant read a second time gets one: a one-shot hand-off reads the ordinary way and binds
+    nothing (its entry would otherwise hold a buffer until it idles out).
     """
 
     grant: dict[str, Any]
@@ -132,6 +137,7 @@ class _GrantEntry:
     nbytes: int
     md_hash: int | None
     preparable: bool
+    read_before: bool = False  # prepared from the second read on
     slots: list[_Slot] = field(default_factory=list)
 
 
@@ -314,12 +320,13 @@ class Fetcher:
         entry = self._grant_cache.get(id(grant))  # the common case inline: a dict read is atomic
         if entry is None or entry.grant is not grant:
             entry = self._entry(endpoint, grant)
-        if device == "cpu" and entry.preparable:
+        if device == "cpu" and entry.preparable and entry.read_before:
             tensors = self._read_prepared(entry, deadline)
             if tensors is not None:
                 self._in_bytes.inc(entry.nbytes)
                 self._in_seconds.observe(time.monotonic() - started)
                 return tensors
+        entry.read_before = True  # a grant read once (a one-shot hand-off) never binds a buffer
         try:
             target = normalize_device(device)
         except BadRequest as exc:

@@ -61,7 +61,7 @@ def test_a_grant_reads_the_bytes_without_a_request_and_goes_stale_cleanly_after_
 
 
 def test_prepared_reads_land_correct_bytes_and_never_overwrite_a_tensor_still_held(make_runtime) -> None:
-    """A small CPU grant read re-posts a prepared READ into a bound landing buffer (fetch.py,
+    """A small CPU grant read again re-posts a prepared READ into a bound landing buffer (fetch.py,
     `_GrantEntry`): many fetches, correct bytes every time; a tensor (or a view of one) still held
     keeps its buffer out of use; idle prepared reads are let go; stopping releases everything."""
     from gpuobj_agent.fetch import PREPARED_IDLE, PREPARED_SLOTS
@@ -78,6 +78,8 @@ def test_prepared_reads_land_correct_bytes_and_never_overwrite_a_tensor_still_he
         assert len(got) == 3 and all(torch.equal(g, p) for g, p in zip(got, parts, strict=True))
         return got
 
+    fetch()
+    assert fetcher.prepared_reads == 0  # a grant read once (a one-shot hand-off) binds nothing
     for _ in range(300):  # one prepared read, re-posted: no new landing buffer, no new registration
         fetch()
     assert fetcher.prepared_reads == 1 and pool.registrations == 1
