@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import gc
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -99,6 +100,20 @@ def test_prepared_reads_land_correct_bytes_and_never_overwrite_a_tensor_still_he
     assert int(held[0].abs().sum()) == 0 and bool((view == -1.0).all())
     del held, view, again, keep
     fetch()  # a slot whose tensors all died is landed in again
+    assert dst.stats()["landingBuffersInUse"] == 0
+
+    def reader(seed: int) -> None:  # threads share the grant's slots: each keeps what it got intact
+        mine = None
+        for i in range(150):
+            got = fetch()
+            if mine is not None:
+                assert torch.equal(mine[0], torch.full_like(mine[0], seed)), "a held tensor was overwritten"
+            got[0].fill_(seed)
+            mine = got if i % 3 else None
+
+    with ThreadPoolExecutor(4) as threads:
+        list(threads.map(reader, range(1, 5)))
+    assert fetcher.prepared_reads <= PREPARED_SLOTS
     assert dst.stats()["landingBuffersInUse"] == 0
 
     pool.trim(now=time.monotonic() + PREPARED_IDLE + 1)  # idle prepared reads let their buffers go
