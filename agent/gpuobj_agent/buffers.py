@@ -84,7 +84,7 @@ class Bound:
         self.buf = buf
         self.layouts = tuple(layouts)
         whole = torch.from_numpy(buf.array[:total])
-        self._whole = whole
+        self.whole = whole  # the whole buffer as one tensor (what a stuck READ keeps alive)
         self._templates = [
             whole[off : off + la.nbytes].view(torch_dtype(la)).view(la.shape)
             if la.nbytes

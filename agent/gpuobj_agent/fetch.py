@@ -425,7 +425,7 @@ class Fetcher:
                 return
             entry.slots.remove(slot)
             self._bound_bytes -= entry.nbytes
-        self.reader.release_prepared(slot.xfer, [slot.bound._whole])
+        self.reader.release_prepared(slot.xfer, [slot.bound.whole])
         self.pool.unbind(slot.bound)
 
     def _drop_prepared(self, which: Any = None) -> None:
