@@ -5,8 +5,10 @@
 #
 # Stages: `builder` builds the gpuobj wheel (pyproject.toml; packages gpuobj, gpuobj_contract from
 # contract/, gpuobj_kube from kube/, gpuobj_agent from agent/, gpuobj_operator from operator/; never the
-# dev tooling in dev/) and the operator's virtualenv (the wheel's `operator` extra); `agent-builder`
-# installs the wheel's `agent` extra (torch, NIXL, ...) into the agent's virtualenv on the CUDA base. The final
+# dev tooling in dev/) and the operator's virtualenv (the wheel's `operator` extra); `agent-deps` installs the
+# `agent` extra's pinned dependencies (torch, NIXL, ...) into the agent's virtualenv on the CUDA base from
+# pyproject.toml alone, and `agent-app` adds the wheel next to it, so a source change rebuilds megabytes,
+# not the 6 GB of torch. The final
 # stages copy a virtualenv and add nothing else: no compilers, no build tools, no pip cache, a numeric
 # non-root user. Python dependency pins live in pyproject.toml only; base images are pinned here, by
 # exact tag (tests/deploy/test_dockerfile.py checks all of this statically).
@@ -39,8 +41,13 @@ RUN python -m venv /opt/gpuobj \
  && /opt/gpuobj/bin/python -m pip uninstall --yes pip \
  && /opt/gpuobj/bin/gpuobj operator --help > /dev/null
 
-# ------------------------------------------------------------------ agent-builder: agent venv on the CUDA base
-FROM ${CUDA_IMAGE} AS agent-builder
+# ------------------------------------------------------------------ agent-deps: the agent extra's pinned dependencies
+# Only pyproject.toml comes in, so this layer (torch with its CUDA libraries: about 6 GB) is rebuilt when
+# a pin changes, not when gpuobj's source does. The dependency list is read from pyproject.toml (the one
+# place pins live). pip lives in its own venv (/opt/pip) and installs into /opt/gpuobj with --python, so
+# the venv the images ship has no pip. The .pth file puts /opt/gpuobj-app (gpuobj itself, next stage)
+# on that venv's path.
+FROM ${CUDA_IMAGE} AS agent-deps
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -48,23 +55,36 @@ ENV DEBIAN_FRONTEND=noninteractive \
 RUN apt-get update \
  && apt-get install --yes --no-install-recommends python3 python3-venv \
  && rm -rf /var/lib/apt/lists/*
-COPY --from=builder /dist /dist
-RUN python3 -m venv /opt/gpuobj \
- && /opt/gpuobj/bin/pip install --no-cache-dir "$(ls /dist/gpuobj-*.whl)[agent]" \
- && /opt/gpuobj/bin/python -m pip uninstall --yes pip \
- && /opt/gpuobj/bin/gpuobj agent --help > /dev/null
+COPY pyproject.toml /src/pyproject.toml
+RUN python3 -c "import tomllib; p = tomllib.load(open('/src/pyproject.toml', 'rb'))['project']; print(chr(10).join(p['dependencies'] + p['optional-dependencies']['agent']))" > /src/agent-requirements.txt \
+ && python3 -m venv /opt/pip \
+ && python3 -m venv --without-pip /opt/gpuobj \
+ && /opt/pip/bin/pip --python /opt/gpuobj/bin/python install --no-cache-dir --requirement /src/agent-requirements.txt \
+ && echo /opt/gpuobj-app > "$(/opt/gpuobj/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/gpuobj-app.pth"
 
-# ------------------------------------------------------------------ agent: standalone agent, base of workload images
-FROM ${CUDA_IMAGE} AS agent
+# ------------------------------------------------------------------ agent-app: gpuobj itself, without dependencies
+# Small and rebuilt on every source change; its console script runs the agent venv's interpreter.
+FROM agent-deps AS agent-app
+COPY --from=builder /dist /dist
+RUN /opt/pip/bin/pip --python /opt/gpuobj/bin/python install --no-cache-dir --no-deps --target /opt/gpuobj-app "$(ls /dist/gpuobj-*.whl)" \
+ && /opt/gpuobj-app/bin/gpuobj agent --help > /dev/null
+
+# ------------------------------------------------------------------ agent-runtime: the CUDA base, python3 and the dependencies
+# Its own stage so the 6 GB copy is a cached layer that a source change does not redo.
+FROM ${CUDA_IMAGE} AS agent-runtime
 ENV DEBIAN_FRONTEND=noninteractive
-# Only the interpreter the venv links to (/usr/bin/python3, as in agent-builder); no -dev, no pip.
+# Only the interpreter the venv links to (/usr/bin/python3, as in agent-deps); no -dev, no pip.
 RUN apt-get update \
  && apt-get install --yes --no-install-recommends python3 \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 65532 gpuobj \
  && useradd --system --uid 65532 --gid 65532 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin gpuobj
-COPY --from=agent-builder /opt/gpuobj /opt/gpuobj
-ENV PATH=/opt/gpuobj/bin:$PATH \
+COPY --from=agent-deps /opt/gpuobj /opt/gpuobj
+
+# ------------------------------------------------------------------ agent: standalone agent, base of workload images
+FROM agent-runtime AS agent
+COPY --from=agent-app /opt/gpuobj-app /opt/gpuobj-app
+ENV PATH=/opt/gpuobj-app/bin:/opt/gpuobj/bin:$PATH \
     HOME=/tmp \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1

@@ -188,7 +188,8 @@ class Routes:
             stream_index=_opt_int(data, "streamIndex"),
             shared_with=_namespaces(data, "sharedWith"),
         )
-        return web.json_response({"created": created, **obj.describe()})
+        # The operator records which process holds the bytes (api.MaterializeAnswer): its liveness rules need it.
+        return web.json_response({"created": created, **obj.describe(), "incarnation": self.agent.incarnation})
 
     async def begin_read(self, request: web.Request) -> web.Response:
         object_id = check_id(request.match_info["id"])

@@ -130,19 +130,48 @@ class ReadEndAnswer:
 
 @dataclass(frozen=True)
 class MaterializeRequest:
-    """Bind the tensors published under `key` (layouts must match), or allocate zeroed ones."""
+    """Bind the tensors published under `key` (layouts must match), or allocate zeroed ones.
+
+    `shared_with`: namespaces besides the source's own whose pods may read it (GPUObject spec.sharedWith).
+    """
 
     tensors: tuple[TensorLayout, ...]
     key: str | None = None
     stream: str | None = None
     stream_index: int | None = None
+    shared_with: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"tensors": [t.to_json() for t in self.tensors]}
         for name, value in (("key", self.key), ("stream", self.stream), ("streamIndex", self.stream_index)):
             if value is not None:
                 body[name] = value
+        if self.shared_with:
+            body["sharedWith"] = list(self.shared_with)
         return body
+
+
+@dataclass(frozen=True)
+class MaterializeAnswer:
+    """`created`: this call made the object (false: it was there already, with the same layouts).
+    `incarnation`: the agent process that holds the bytes, which the operator records in the status."""
+
+    created: bool
+    id: str
+    bytes: int
+    incarnation: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"created": self.created, "id": self.id, "bytes": self.bytes, "incarnation": self.incarnation}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> MaterializeAnswer:
+        return cls(
+            created=bool(data.get("created")),
+            id=str(data.get("id", "")),
+            bytes=int(data.get("bytes", 0)),
+            incarnation=str(data.get("incarnation", "")),
+        )
 
 
 @dataclass(frozen=True)

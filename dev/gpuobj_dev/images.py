@@ -277,9 +277,11 @@ def ensure_pause() -> None:
 
 
 # Stages each target is built from; their results are tagged so that pruning keeps exactly one cached
-# chain per stage (an untagged builder stage would be pruned, and rebuilding it makes a new wheel,
-# which re-installs torch in agent-builder).
-CACHE_STAGES = {"operator": ("builder",), "agent": ("builder", "agent-builder")}
+# chain per stage (an untagged stage would be pruned with its layers). The agent's dependencies
+# (`agent-deps`, from pyproject.toml alone) and the runtime that copies them (`agent-runtime`) stay
+# cached across source changes: a source change rebuilds the wheel and `agent-app` (megabytes), not the
+# 6 GB of torch.
+CACHE_STAGES = {"operator": ("builder",), "agent": ("builder", "agent-deps", "agent-runtime", "agent-app")}
 # What the Dockerfile's build context holds (.dockerignore lets only these in).
 CONTEXT = ("pyproject.toml", "README.md", "gpuobj", "contract", "kube", "agent", "operator")
 
@@ -325,8 +327,8 @@ def build_target(target: str, *, quiet: bool = False) -> BuildResult:
     """`buildah bud --target <target> --pull=never` of the project's Dockerfile, reusing cached layers.
 
     Skipped when the image was built from the same context (digest recorded next to the store). When the
-    context changed, the old image and its cached stages go first: the agent image is 6 GB, and a rebuild
-    would otherwise hold two of everything on disk at once."""
+    context changed, the stages are rebuilt over their tagged caches (unchanged steps are cache hits), and
+    what the new chain no longer uses is pruned afterwards, so the store holds one chain per stage."""
     ensure_standins()
     tag = TARGETS[target]
     started = time.monotonic()
@@ -335,12 +337,7 @@ def build_target(target: str, *, quiet: bool = False) -> BuildResult:
     if image_exists(tag) and marker.is_file() and marker.read_text() == digest:
         return BuildResult(tag, time.monotonic() - started, image_size(tag))
     marker.unlink(missing_ok=True)
-    stale = [tag, *(f"localhost/gpuobj-build/{s}:cache" for s in CACHE_STAGES[target])]
-    if target == "operator":  # the agent's chain shares `builder`: keep it when only the operator is rebuilt
-        stale = [tag]
     subprocess.run(["buildah", "rm", "--all"], env=container_env(), capture_output=True)
-    subprocess.run(["buildah", "rmi", *[n for n in stale if image_exists(n)]], env=container_env(), capture_output=True)
-    subprocess.run(["buildah", "rmi", "--prune"], env=container_env(), capture_output=True)
     for stage in CACHE_STAGES[target]:
         _bud(stage, f"localhost/gpuobj-build/{stage}:cache", quiet)
     _bud(target, tag, quiet)

@@ -21,7 +21,7 @@ import aiohttp
 
 from gpuobj_contract import agent_api as api
 from gpuobj_contract import names
-from gpuobj_contract.agent_api import FreeAnswer, FreeRequest
+from gpuobj_contract.agent_api import FreeAnswer, FreeRequest, Inventory, MaterializeAnswer, MaterializeRequest
 
 # A 10,000-object inventory is about 3 MiB of JSON; an agent that sends more is refused, not read.
 MAX_ANSWER_BYTES = 16 << 20
@@ -125,12 +125,17 @@ class AgentClient:
             await self._call(route, endpoint, path, pod_uid=pod_uid, body=body, timeout=self.free_timeout)
         )
 
-    async def inventory(self, endpoint: str, *, pod_uid: str) -> dict:
-        return await self._call(api.INVENTORY, endpoint, api.INVENTORY.path(), pod_uid=pod_uid)
+    async def inventory(self, endpoint: str, *, pod_uid: str) -> Inventory:
+        return Inventory.from_json(await self._call(api.INVENTORY, endpoint, api.INVENTORY.path(), pod_uid=pod_uid))
 
     async def info(self, endpoint: str, *, pod_uid: str, timeout: float | None = None) -> dict:
         return await self._call(api.INFO, endpoint, api.INFO.path(), pod_uid=pod_uid, timeout=timeout)
 
-    async def materialize(self, endpoint: str, object_id: str, spec: dict, *, pod_uid: str) -> dict:
+    async def materialize(
+        self, endpoint: str, object_id: str, request: MaterializeRequest, *, pod_uid: str
+    ) -> MaterializeAnswer:
         route = api.MATERIALIZE
-        return await self._call(route, endpoint, route.path(id=object_id), pod_uid=pod_uid, body=spec)
+        path = route.path(id=object_id)
+        return MaterializeAnswer.from_json(
+            await self._call(route, endpoint, path, pod_uid=pod_uid, body=request.to_json())
+        )

@@ -1,4 +1,4 @@
-"""Compare an agent's inventory with the API's view. Pure: the reconciler does the I/O.
+"""Compare an agent's inventory with the API's view. Pure: the auditor (auditor.py) does the I/O.
 
 Leaked bytes are bytes an agent holds that no GPUObject describes (a crashed put,
 a missed free, a planted orphan), or whose GPUObject is out of scope but still
@@ -9,19 +9,15 @@ grace period. GPUObjects whose bytes the agent no longer holds become Lost.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from gpuobj_contract import names
+from gpuobj_contract.agent_api import InventoryItem
+from gpuobj_operator.actions import Action, Emit, PatchObjectStatus
 from gpuobj_operator.ledger import Ledger
 from gpuobj_operator.model import ObjectInfo, PodInfo
-
-
-@dataclass(frozen=True)
-class InventoryItem:
-    object_id: str
-    bytes: int
-    age_seconds: float
-    stream: str | None = None
+from gpuobj_operator.statuses import agent_lost_object_status
 
 
 @dataclass
@@ -29,18 +25,6 @@ class AuditFindings:
     leaked_bytes: int = 0
     reclaim: list[InventoryItem] = field(default_factory=list)
     missing: list[ObjectInfo] = field(default_factory=list)
-
-
-def parse_inventory(inventory: dict) -> list[InventoryItem]:
-    return [
-        InventoryItem(
-            object_id=str(o["id"]),
-            bytes=int(o.get("bytes", 0)),
-            age_seconds=float(o.get("ageSeconds", 0.0)),
-            stream=o.get("stream"),
-        )
-        for o in inventory.get("objects", [])
-    ]
 
 
 def expected_objects(ledger: Ledger, pod: PodInfo) -> dict[str, ObjectInfo]:
@@ -59,7 +43,7 @@ def expected_objects(ledger: Ledger, pod: PodInfo) -> dict[str, ObjectInfo]:
 def evaluate(
     ledger: Ledger,
     pod: PodInfo,
-    items: list[InventoryItem],
+    items: Sequence[InventoryItem],
     expected_before: dict[str, ObjectInfo],
     *,
     settle_seconds: float,
@@ -69,16 +53,29 @@ def evaluate(
     """``pending_free_age``: object_id -> seconds since its last reference went, for out-of-scope objects."""
     findings = AuditFindings()
     described = {o.object_id: o for o in ledger.objects_of_pod(pod.namespace, pod.name)}
-    held = {i.object_id for i in items}
+    held = {i.id for i in items}
     for item in items:
-        obj = described.get(item.object_id)
+        obj = described.get(item.id)
         if obj is None:
             if item.age_seconds >= settle_seconds:
                 findings.leaked_bytes += item.bytes
             if item.age_seconds >= grace_seconds:
                 findings.reclaim.append(item)
-        elif item.object_id in pending_free_age and pending_free_age[item.object_id] >= grace_seconds:
+        elif item.id in pending_free_age and pending_free_age[item.id] >= grace_seconds:
             # Out of scope for longer than the grace period and still held: a free that did not happen.
             findings.leaked_bytes += item.bytes
     findings.missing = [o for oid, o in expected_before.items() if oid not in held and oid in described]
     return findings
+
+
+def lost_actions(pod: PodInfo, missing: Iterable[ObjectInfo], now: str) -> list[Action]:
+    """Objects the pod's agent no longer holds (it restarted, say) become Lost, each with a Warning."""
+    actions: list[Action] = []
+    for obj in missing:
+        if obj.deleting or obj.state == names.STATE_LOST:
+            continue
+        message = f"agent of pod {pod.name} no longer holds object {obj.object_id} (agent restarted?)"
+        status = agent_lost_object_status(pod_uid=pod.uid, generation=obj.generation, message=message, now=now)
+        actions.append(PatchObjectStatus(obj.key, status))  # counts gpuobj_lost_objects_total, once
+        actions.append(Emit("GPUObject", obj.key, obj.uid, "Warning", "Lost", message))
+    return actions

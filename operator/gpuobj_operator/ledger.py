@@ -1,159 +1,25 @@
-"""The reference ledger: what references what, and what must happen next. Pure Python.
+"""The reference ledger: what references what. Pure Python state, its indexes and queries.
 
 Why: this is the heart of gpuobj, a cluster-wide reference counter. It knows
-nothing of HTTP or kopf: the reconciler feeds it API objects and executes the
-actions it returns, so every rule here is unit-tested without a server
-(kueue's cache/snapshot habit).
-
-Rules (see DESIGN.md, "Object lifecycle"):
-- An object's references are its live claims, plus the owner's own reference
-  until the GPUObject is deleted.
-- Out of scope (deleted and no live claim) -> free on the source, then drop the
-  finalizer. Never before every kind of state has been listed once (``synced``).
-- A source pod that is gone, terminated or replaced (new UID) makes its objects
-  Lost; a Lost object with no claim is deleted and its finalizer dropped without
-  a free (its memory went with the pod).
-- A stream item whose index is below the stream's read position was consumed:
-  a report of it that arrives late is deleted at once (seed 003).
+nothing of HTTP or kopf: the reconciler feeds it API objects, the decisions
+(decisions.py) read it, so every rule is unit-tested without a server (kueue's
+cache/snapshot habit). Each update returns the keys whose decision may change.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from gpuobj_contract import names
 from gpuobj_operator.liveness import Liveness
 from gpuobj_operator.model import ClaimInfo, Key, ObjectInfo, PodInfo, StreamInfo
-from gpuobj_operator.statuses import condition, now_str
-
-# ---------------------------------------------------------------- actions
-
-
-@dataclass(frozen=True)
-class Action:
-    """Something the reconciler must do against the API or an agent."""
-
-
-@dataclass(frozen=True)
-class LookupPod(Action):
-    namespace: str
-    name: str
-
-
-@dataclass(frozen=True)
-class AddFinalizer(Action):
-    key: Key
-    uid: str
-
-
-@dataclass(frozen=True)
-class Materialize(Action):
-    key: Key
-    uid: str
-    endpoint: str
-    object_id: str
-    pod_uid: str = ""
-
-
-@dataclass(frozen=True)
-class Free(Action):
-    """Free on the source agent, then drop the finalizer. The reconciler re-checks claims first."""
-
-    key: Key
-    uid: str
-    object_id: str
-    endpoint: str
-    bytes: int
-    reason: str
-    pod_uid: str = ""  # the agent must serve this pod (checked by the agent on the same call)
-
-
-@dataclass(frozen=True)
-class ReleaseWithoutFree(Action):
-    """Drop the finalizer of an object whose bytes are already gone (source pod lost)."""
-
-    key: Key
-    uid: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class DeleteObject(Action):
-    key: Key
-    uid: str
-    reason: str
-    message: str
-
-
-@dataclass(frozen=True)
-class PatchObjectStatus(Action):
-    key: Key
-    status: dict
-
-
-@dataclass(frozen=True)
-class PatchClaimStatus(Action):
-    key: Key
-    status: dict
-
-
-@dataclass(frozen=True)
-class SetClaimOwner(Action):
-    key: Key
-    uid: str
-    pod_name: str
-    pod_uid: str
-
-
-@dataclass(frozen=True)
-class DeleteClaim(Action):
-    key: Key
-    uid: str
-    reason: str
-    holder: str = "pod"  # what is gone: the holder pod, or only its process ("process")
-
-
-@dataclass(frozen=True)
-class Requeue(Action):
-    """Decide this again after ``seconds`` (a claim's TTL runs out then)."""
-
-    kind: str
-    key: Key
-    seconds: float
-
-
-@dataclass(frozen=True)
-class PatchStreamStatus(Action):
-    key: Key
-    status: dict
-
-
-@dataclass(frozen=True)
-class FinishStream(Action):
-    """A deleted stream whose items are all gone: free unreported items on the producer, drop the finalizer."""
-
-    key: Key
-    uid: str
-    producer_endpoint: str | None
-    producer_uid: str = ""
-
-
-@dataclass(frozen=True)
-class Emit(Action):
-    """A Kubernetes Event about an object."""
-
-    kind: str
-    key: Key
-    uid: str
-    type: str
-    reason: str
-    message: str
 
 
 @dataclass
 class SourceVerdict:
+    """Whether an object's bytes can be reached at their source pod, and if not, why."""
+
     available: bool
     reason: str
     message: str
@@ -161,12 +27,17 @@ class SourceVerdict:
     unknown: bool = False  # the pod must be looked up before deciding
 
 
+def is_lost(obj: ObjectInfo, verdict: SourceVerdict) -> bool:
+    """Bytes that existed and whose source is gone. An object never materialized is only Pending."""
+    return not verdict.available and verdict.reason != "AgentEndpointUnknown" and obj.materialized
+
+
 # ---------------------------------------------------------------- the ledger
 
 
 @dataclass
 class Ledger:
-    """In-memory view of GPUObjects, claims, streams and agent pods, with the decisions on them."""
+    """In-memory view of GPUObjects, claims, streams and agent pods, with the queries the decisions ask."""
 
     objects: dict[Key, ObjectInfo] = field(default_factory=dict)
     claims: dict[Key, ClaimInfo] = field(default_factory=dict)
@@ -435,251 +306,6 @@ class Ledger:
                 result[(obj.namespace, obj.source_pod)] += obj.bytes
         return dict(result)
 
-    # ------------------------------------------------------------ decisions
-
-    def decide_object(self, key: Key, now: dt.datetime) -> list[Action]:
-        """What must happen for this GPUObject now. Empty when nothing is to be done."""
-        obj = self.objects.get(key)
-        if obj is None or not self.synced:
-            return []
-        verdict = self.source_verdict(obj)
-        if verdict.unknown:
-            return [LookupPod(obj.namespace, obj.source_pod)]
-        claims = self.live_claims(obj)
-        if obj.deleting:
-            if not obj.finalized:
-                return []  # not ours to hold; the API server removes it
-            if claims:
-                return self._status_actions(obj, verdict, claims, now)
-            if self.siblings(obj):
-                message = f"another GPUObject names object {obj.object_id} of pod {obj.source_pod}; not freed"
-                return [
-                    Emit("GPUObject", obj.key, obj.uid, "Warning", "DuplicateObjectId", message),
-                    ReleaseWithoutFree(obj.key, obj.uid, "DuplicateObjectId"),
-                ]
-            if verdict.available and obj.materialized:
-                pod = verdict.pod
-                return [Free(obj.key, obj.uid, obj.object_id, pod.endpoint, obj.bytes, "OutOfScope", pod.uid)]  # type: ignore[union-attr,arg-type]
-            if verdict.reason == "AgentEndpointUnknown" and obj.materialized:
-                return self._status_actions(obj, verdict, claims, now)  # wait for the pod's address
-            return [
-                ReleaseWithoutFree(obj.key, obj.uid, verdict.reason if not verdict.available else "NeverMaterialized")
-            ]
-        if not obj.finalized:
-            return [AddFinalizer(obj.key, obj.uid)]
-        if obj.stream:
-            stream = self.streams.get((obj.namespace, obj.stream[0]))
-            if stream is None or stream.deleting:
-                return [DeleteObject(obj.key, obj.uid, "StreamDeleted", f"stream {obj.stream[0]} is gone")]
-            if obj.stream[1] < stream.consumed and not claims:
-                return [
-                    DeleteObject(
-                        obj.key,
-                        obj.uid,
-                        "StaleStreamReport",
-                        f"item {obj.stream[1]} of stream {obj.stream[0]} was already consumed"
-                        f" (read position {stream.consumed})",
-                    )
-                ]
-        if self._lost(obj, verdict):
-            actions = self._status_actions(obj, verdict, claims, now)
-            if obj.state != names.STATE_LOST:
-                actions.append(Emit("GPUObject", obj.key, obj.uid, "Warning", "Lost", verdict.message))
-            if not claims:
-                actions.append(DeleteObject(obj.key, obj.uid, "Lost", f"{verdict.message}; no claim remains"))
-            return actions
-        if obj.declared and not obj.materialized and verdict.available and obj.state != names.STATE_FAILED:
-            return [Materialize(obj.key, obj.uid, verdict.pod.endpoint, obj.object_id, verdict.pod.uid)]  # type: ignore[union-attr]
-        return self._status_actions(obj, verdict, claims, now)
-
-    @staticmethod
-    def _lost(obj: ObjectInfo, verdict: SourceVerdict) -> bool:
-        """Bytes that existed and whose source is gone. An object never materialized is only Pending."""
-        return not verdict.available and verdict.reason != "AgentEndpointUnknown" and obj.materialized
-
-    def desired_object_status(
-        self, obj: ObjectInfo, verdict: SourceVerdict, claims: list[ClaimInfo], now: dt.datetime
-    ) -> dict:
-        stamp = now_str(now)
-        existing = obj.status.get("conditions", [])
-        if obj.state == names.STATE_FAILED:
-            state = names.STATE_FAILED
-        elif self._lost(obj, verdict):
-            state = names.STATE_LOST
-        elif not obj.materialized:
-            state = names.STATE_PENDING
-        elif obj.deleting:
-            state = names.STATE_RELEASING
-        else:
-            state = names.STATE_READY
-        refs = len(claims) + (0 if obj.deleting else 1)
-        if state == names.STATE_READY:
-            ready = ("True", "Ready", "bytes are held by the source agent and can be fetched")
-        elif state == names.STATE_RELEASING:
-            ready = ("False", "WaitingForClaims", f"deleted; waiting for {len(claims)} claim(s) to go before freeing")
-        elif state == names.STATE_LOST:
-            ready = ("False", "SourceLost", verdict.message)
-        elif state == names.STATE_FAILED:
-            ready = next(
-                (("False", c["reason"], c["message"]) for c in existing if c["type"] == names.CONDITION_READY),
-                ("False", "Failed", "materialization failed"),
-            )
-        else:
-            ready = (
-                "False",
-                "Materializing",
-                verdict.message if not verdict.available else "waiting for the source agent",
-            )
-        status = {
-            "observedGeneration": obj.generation,
-            "state": state,
-            "objectId": obj.object_id if obj.materialized or not obj.declared else obj.status.get("objectId"),
-            "bytes": obj.bytes,
-            "tensorCount": len(obj.tensors),
-            "references": refs,
-            "claims": len(claims),
-            "conditions": [
-                condition(existing, names.CONDITION_READY, *ready, obj.generation, stamp),
-                condition(
-                    existing,
-                    names.CONDITION_SOURCE_AVAILABLE,
-                    "True" if verdict.available else "False",
-                    verdict.reason,
-                    verdict.message,
-                    obj.generation,
-                    stamp,
-                ),
-            ],
-        }
-        if verdict.pod is not None and not verdict.pod.deleted:
-            status["sourcePodUID"] = verdict.pod.uid
-            if verdict.pod.endpoint:
-                status["transport"] = {
-                    "backend": "nixl",
-                    "agentEndpoint": verdict.pod.endpoint,
-                    **(
-                        {"agentIncarnation": obj.status["transport"]["agentIncarnation"]}
-                        if obj.status.get("transport", {}).get("agentIncarnation")
-                        else {}
-                    ),
-                }
-        else:
-            for k in ("sourcePodUID", "transport"):
-                if k in obj.status:
-                    status[k] = obj.status[k]
-        if obj.status.get("objectId") is None and status["objectId"] is None:
-            del status["objectId"]
-        return status
-
-    def _status_actions(
-        self, obj: ObjectInfo, verdict: SourceVerdict, claims: list[ClaimInfo], now: dt.datetime
-    ) -> list[Action]:
-        desired = self.desired_object_status(obj, verdict, claims, now)
-        if _status_differs(obj.status, desired):
-            return [PatchObjectStatus(obj.key, desired)]
-        return []
-
-    def decide_claim(self, key: Key, now: dt.datetime) -> list[Action]:
-        claim = self.claims.get(key)
-        if claim is None or not self.synced or claim.deleting:
-            return []
-        actions: list[Action] = []
-        # Holder pod: ownerReference for garbage collection; the operator as a backstop.
-        for pod_name, pod_uid in claim.owner_pods.items():
-            pod = self.pods.get((claim.namespace, pod_name))
-            if pod is None:
-                return [LookupPod(claim.namespace, pod_name)]
-            if pod.deleted or pod.uid != pod_uid:
-                return [DeleteClaim(claim.key, claim.uid, f"holder pod {pod_name} is gone")]
-        if claim.holder_incarnation and (why := self.holder_process_gone(claim)):
-            return [DeleteClaim(claim.key, claim.uid, why, holder="process")]
-        if claim.ttl_seconds and claim.created:
-            left = (claim.created + dt.timedelta(seconds=claim.ttl_seconds) - now).total_seconds()
-            if left <= 0:
-                return [DeleteClaim(claim.key, claim.uid, f"its TTL of {claim.ttl_seconds}s expired", holder="ttl")]
-            actions.append(Requeue("claim", claim.key, left))
-        if claim.holder_pod and claim.holder_pod not in claim.owner_pods:
-            pod = self.pods.get((claim.namespace, claim.holder_pod))
-            if pod is None:
-                return [LookupPod(claim.namespace, claim.holder_pod)]
-            if not pod.deleted:
-                actions.append(SetClaimOwner(claim.key, claim.uid, pod.name, pod.uid))
-        obj = self.objects.get(claim.object_key)
-        stamp = now_str(now)
-        existing = claim.status.get("conditions", [])
-        if obj is None or (claim.object_uid and obj.uid != claim.object_uid):
-            lost = claim.status.get("state") in ("Bound", "Lost")
-            state, reason, message = (
-                ("Lost", "ObjectGone", f"GPUObject {claim.object_name} no longer exists")
-                if lost
-                else ("Pending", "ObjectNotFound", f"GPUObject {claim.object_name} does not exist (yet)")
-            )
-            desired = {
-                "state": state,
-                "conditions": [condition(existing, "Bound", "False", reason, message, 1, stamp)],
-            }
-            if claim.status.get("objectUID"):
-                desired["objectUID"] = claim.status["objectUID"]
-        else:
-            verdict = self.source_verdict(obj)
-            if verdict.unknown:
-                return [*actions, LookupPod(obj.namespace, obj.source_pod)]
-            if self._lost(obj, verdict):
-                state, reason, message = "Lost", "SourceLost", verdict.message
-            else:
-                state, reason, message = "Bound", "Bound", f"references GPUObject {obj.name} on pod {obj.source_pod}"
-            desired = {
-                "state": state,
-                "objectUID": obj.uid,
-                "bytes": obj.bytes,
-                "sourcePod": obj.source_pod,
-                "conditions": [
-                    condition(existing, "Bound", "True" if state == "Bound" else "False", reason, message, 1, stamp)
-                ],
-            }
-        desired["observedGeneration"] = 1
-        if _status_differs(claim.status, desired):
-            actions.append(PatchClaimStatus(claim.key, desired))
-        return actions
-
-    def decide_stream(self, key: Key, now: dt.datetime) -> list[Action]:
-        stream = self.streams.get(key)
-        if stream is None or not self.synced:
-            return []
-        items = self.stream_items(key)
-        if stream.deleting:
-            if not stream.finalized:
-                return []
-            # Items first: each goes through the normal free path (and waits for its claims).
-            live = [i for i in items if not i.deleting]
-            if live:
-                return [DeleteObject(i.key, i.uid, "StreamDeleted", f"stream {stream.name} was deleted") for i in live]
-            if items:
-                return []  # wait for the items' frees
-            producer = self.pods.get((stream.namespace, stream.producer_pod))
-            endpoint = producer.endpoint if producer and not producer.terminated else None
-            return [FinishStream(stream.key, stream.uid, endpoint, producer.uid if endpoint and producer else "")]
-        emitted = max((i.stream[1] + 1 for i in items if i.stream), default=0)
-        desired = {
-            "observedGeneration": 1,
-            "emitted": max(emitted, int(stream.status.get("emitted", 0))),
-            "liveItems": len([i for i in items if not i.deleting]),
-            "bytes": sum(i.bytes for i in items if not i.deleting),
-        }
-        current = {k: stream.status.get(k) for k in desired}
-        if current != desired:
-            return [PatchStreamStatus(stream.key, desired)]
-        return []
-
-    def decide(self, kind: str, key: Key, now: dt.datetime) -> list[Action]:
-        if kind == "object":
-            return self.decide_object(key, now)
-        if kind == "claim":
-            return self.decide_claim(key, now)
-        if kind == "stream":
-            return self.decide_stream(key, now)
-        raise ValueError(f"unknown kind {kind!r}")
-
     # ------------------------------------------------------------ metrics views
 
     def objects_by_state(self) -> dict[str, tuple[int, int]]:
@@ -691,11 +317,6 @@ class Ledger:
             entry[0] += 1
             entry[1] += obj.bytes
         return {k: (v[0], v[1]) for k, v in result.items()}
-
-
-def _status_differs(current: dict, desired: dict) -> bool:
-    """Compare what we would write with what is there, ignoring keys we do not manage."""
-    return any(current.get(k) != v for k, v in desired.items())
 
 
 def _older(a: str, b: str) -> bool:

@@ -1,6 +1,6 @@
 """Plain records of what the API says, parsed once at the edge.
 
-Why: the ledger decides on these, never on raw dicts, so its unit tests build
+Why: the ledger and the decisions work on these, never on raw dicts, so their unit tests build
 them directly and the parsing rules (which field means what) live in one place.
 """
 

@@ -17,12 +17,11 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, ClassVar
 
 from gpuobj_contract import names
+from gpuobj_contract.agent_api import MaterializeRequest
+from gpuobj_contract.layouts import LayoutError, TensorLayout
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, ApiError, Conflict, Invalid, KubeClient, NotFound
-from gpuobj_operator import audit as audit_mod
 from gpuobj_operator import statuses
-from gpuobj_operator.agent_client import AgentClient, AgentError, AgentGone, AgentUnreachable
-from gpuobj_operator.events import EventRecorder
-from gpuobj_operator.ledger import (
+from gpuobj_operator.actions import (
     Action,
     AddFinalizer,
     DeleteClaim,
@@ -30,7 +29,6 @@ from gpuobj_operator.ledger import (
     Emit,
     FinishStream,
     Free,
-    Ledger,
     LookupPod,
     Materialize,
     PatchClaimStatus,
@@ -40,8 +38,13 @@ from gpuobj_operator.ledger import (
     Requeue,
     SetClaimOwner,
 )
+from gpuobj_operator.agent_client import AgentClient, AgentError, AgentGone, AgentUnreachable
+from gpuobj_operator.auditor import Auditor
+from gpuobj_operator.decisions import decide
+from gpuobj_operator.events import EventRecorder
+from gpuobj_operator.ledger import Ledger
 from gpuobj_operator.metrics import OperatorMetrics
-from gpuobj_operator.model import Key, PodInfo, parse_claim, parse_object, parse_pod, parse_stream
+from gpuobj_operator.model import Key, ObjectInfo, PodInfo, parse_claim, parse_object, parse_pod, parse_stream
 from gpuobj_operator.workqueue import WorkQueue
 
 log = logging.getLogger("gpuobj.operator")
@@ -88,9 +91,6 @@ class Reconciler:
         # Retries back off to 5 s at most: after an API outage every item is tried again within seconds.
         self.queue = WorkQueue(max_delay=5.0)
         self.workers = workers
-        self.leak_settle_seconds = leak_settle_seconds
-        self.leak_grace_seconds = leak_grace_seconds
-        self.audit_interval = audit_interval
         self.resync_interval = resync_interval
         self.namespace = namespace
         self._tasks: list[asyncio.Task] = []
@@ -105,6 +105,17 @@ class Reconciler:
         self.probe_timeout = probe_timeout
         self._probe_due: dict[Key, float] = {}
         self.may_act = may_act or (lambda: True)
+        self.auditor = Auditor(
+            self.ledger,
+            kube,
+            agents,
+            metrics,
+            self.execute,
+            self._must_lead,
+            interval=audit_interval,
+            settle_seconds=leak_settle_seconds,
+            grace_seconds=leak_grace_seconds,
+        )
 
     # ------------------------------------------------------------ lifecycle
 
@@ -137,7 +148,7 @@ class Reconciler:
     def start(self) -> None:
         for i in range(self.workers):
             self._tasks.append(asyncio.create_task(self._worker(), name=f"reconcile-worker-{i}"))
-        self._tasks.append(asyncio.create_task(self._audit_loop(), name="audit"))
+        self._tasks.append(asyncio.create_task(self.auditor.run(), name="audit"))
         self._tasks.append(asyncio.create_task(self._resync_loop(), name="resync"))
         if self.liveness_interval > 0:
             self._tasks.append(asyncio.create_task(self._liveness_loop(), name="liveness"))
@@ -205,7 +216,7 @@ class Reconciler:
             item = await self.queue.get()
             try:
                 kind, key = item
-                for action in self.ledger.decide(kind, key, dt.datetime.now(dt.UTC)):
+                for action in decide(self.ledger, kind, key, dt.datetime.now(dt.UTC)):
                     await self.execute(action)
                 self.queue.forget(item)
             except RetryLater as exc:
@@ -265,17 +276,13 @@ class Reconciler:
 
     async def _do_Materialize(self, a: Materialize) -> None:
         obj = self.ledger.objects[a.key]
-        # The agent's layout: shape, dtype, device (a tensor's optional name is the API's alone).
-        spec: dict = {"tensors": [{k: t[k] for k in ("shape", "dtype", "device") if k in t} for t in obj.tensors]}
-        if obj.key_name:
-            spec["key"] = obj.key_name
-        if obj.shared_with:
-            spec["sharedWith"] = list(obj.shared_with)
-        if obj.stream:
-            spec["stream"], spec["streamIndex"] = obj.stream
         pod = self.ledger.pods[(obj.namespace, obj.source_pod)]
         try:
-            answer = await self.agents.materialize(a.endpoint, a.object_id, spec, pod_uid=a.pod_uid)
+            try:
+                request = _materialize_request(obj)
+            except LayoutError as exc:  # the CRD's schema admits none; refused here as the agent would
+                raise AgentError(400, str(exc)) from exc
+            answer = await self.agents.materialize(a.endpoint, a.object_id, request, pod_uid=a.pod_uid)
         except AgentError as exc:
             if exc.status == 404:
                 pending = statuses.pending_status(
@@ -295,7 +302,7 @@ class Reconciler:
             object_id=a.object_id,
             pod_uid=pod.uid,
             endpoint=a.endpoint,
-            incarnation=str(answer.get("incarnation", "")),
+            incarnation=answer.incarnation,
         )
         await self._patch_object_status(a.key, status)
         self._emit(
@@ -509,10 +516,10 @@ class Reconciler:
             try:
                 inventory = await self.agents.inventory(a.producer_endpoint, pod_uid=a.producer_uid)
                 described = {o.object_id for o in self.ledger.objects.values()}
-                for item in audit_mod.parse_inventory(inventory):
-                    if item.stream == a.key[1] and item.object_id not in described:
+                for item in inventory.objects:
+                    if item.stream == a.key[1] and item.id not in described:
                         result = await self.agents.free(
-                            a.producer_endpoint, item.object_id, reason="StreamDeleted", pod_uid=a.producer_uid
+                            a.producer_endpoint, item.id, reason="StreamDeleted", pod_uid=a.producer_uid
                         )
                         freed += result.bytes
             except AgentGone:
@@ -539,16 +546,6 @@ class Reconciler:
             reason=reason,
             message=message,
         )
-
-    # ------------------------------------------------------------ audit
-
-    async def _audit_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.audit_interval)
-            try:
-                await self.audit_once()
-            except Exception:
-                log.exception("audit pass failed")
 
     # ------------------------------------------------------------ liveness of agent processes
 
@@ -611,91 +608,8 @@ class Reconciler:
             await asyncio.sleep(self.resync_interval)
             self.enqueue_all()
 
-    async def audit_once(self) -> None:
-        """One pass over every agent pod: count leaks, reclaim old ones, mark missing objects Lost."""
-        if not self.ledger.synced:
-            return
-        leaked: dict[tuple[str, str], int] = {}
-        pods = self.ledger.agent_pods()
-        results = await asyncio.gather(*(self._audit_pod(p) for p in pods), return_exceptions=True)
-        for pod, result in zip(pods, results, strict=True):
-            if isinstance(result, BaseException):
-                self.metrics.audits.labels("error").inc()
-                log.debug("audit of %s/%s skipped: %s", pod.namespace, pod.name, result)
-                continue
-            self.metrics.audits.labels("ok").inc()
-            self.metrics.saw_namespace(pod.namespace)
-            leaked[(pod.namespace, pod.name)] = result
-        # Bytes held only by claims of dead processes are leaks too, while they wait to be dropped.
-        dead_held = self.ledger.dead_holder_bytes()
-        for key, size in dead_held.items():
-            if key in leaked:
-                leaked[key] += size
-        self.metrics.set_leaked(leaked, {k: v for k, v in dead_held.items() if k in leaked})
 
-    async def _audit_pod(self, pod: PodInfo) -> int:
-        expected = audit_mod.expected_objects(self.ledger, pod)
-        inventory = await self.agents.inventory(pod.endpoint, pod_uid=pod.uid)  # type: ignore[arg-type]
-        if inventory.get("podUID") != pod.uid:  # the agent checked too; an agent without a pod uid is refused
-            raise AgentError(409, f"agent at {pod.endpoint} serves pod uid {inventory['podUID']}, not {pod.uid}")
-        now = time.monotonic()
-        pending = {
-            o.object_id: now - self.ledger.ref_gone_at[o.key]
-            for o in self.ledger.objects_of_pod(pod.namespace, pod.name)
-            if o.key in self.ledger.ref_gone_at
-        }
-        findings = audit_mod.evaluate(
-            self.ledger,
-            pod,
-            audit_mod.parse_inventory(inventory),
-            expected,
-            settle_seconds=self.leak_settle_seconds,
-            grace_seconds=self.leak_grace_seconds,
-            pending_free_age=pending,
-        )
-        reclaimed = 0
-        if findings.reclaim:
-            reclaimed = await self._reclaim(pod, findings.reclaim)
-        for obj in findings.missing:
-            if obj.deleting or obj.state == names.STATE_LOST:
-                continue
-            message = f"agent of pod {pod.name} no longer holds object {obj.object_id} (agent restarted?)"
-            status = statuses.agent_lost_object_status(
-                pod_uid=pod.uid, generation=obj.generation, message=message, now=_now()
-            )
-            await self._patch_object_status(obj.key, status)  # counts gpuobj_lost_objects_total, once
-            self._emit("GPUObject", obj.key, obj.uid, "Warning", "Lost", message)
-        return max(0, findings.leaked_bytes - reclaimed)
-
-    async def _reclaim(self, pod: PodInfo, items: list[audit_mod.InventoryItem]) -> int:
-        # Quorum check: no GPUObject (maybe created since our cache last heard) describes these ids.
-        fresh = await self.kube.list(GPUOBJECTS, pod.namespace, field_selector=f"spec.source.podName={pod.name}")
-        described = set()
-        for raw in fresh["items"]:
-            o = parse_object(raw)
-            described.add(o.object_id)
-        total = 0
-        self._must_lead()
-        for item in items:
-            if item.object_id in described:
-                continue
-            result = await self.agents.free(pod.endpoint, item.object_id, reason="Reclaimed", pod_uid=pod.uid)  # type: ignore[arg-type]
-            if result.freed:
-                total += result.bytes
-                self.metrics.reclaimed_bytes.labels(pod.namespace).inc(result.bytes)
-                self._emit(
-                    "Pod",
-                    pod.key,
-                    pod.uid,
-                    "Warning",
-                    "LeakReclaimed",
-                    f"reclaimed {result.bytes} bytes of object {item.object_id} that no GPUObject referenced "
-                    f"for {item.age_seconds:.0f}s",
-                )
-        return total
-
-
-# Action type -> its executor. Every Action the ledger can return has one (a unit test checks it).
+# Action type -> its executor. Every Action the decisions or the audit return has one (a unit test checks it).
 Reconciler._executors = {
     LookupPod: Reconciler._do_LookupPod,
     AddFinalizer: Reconciler._do_AddFinalizer,
@@ -716,3 +630,15 @@ Reconciler._executors = {
 
 def _now() -> str:
     return statuses.now_str(dt.datetime.now(dt.UTC))
+
+
+def _materialize_request(obj: ObjectInfo) -> MaterializeRequest:
+    """What the source agent must hold for a declared object: its layouts (a tensor's name is the API's alone)."""
+    named = frozenset({"name"})
+    return MaterializeRequest(
+        tensors=tuple(TensorLayout.from_json(t, f"spec.tensors[{i}]", ignore=named) for i, t in enumerate(obj.tensors)),
+        key=obj.key_name,
+        stream=obj.stream[0] if obj.stream else None,
+        stream_index=obj.stream[1] if obj.stream else None,
+        shared_with=obj.shared_with,
+    )

@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime as dt
 
 from gpuobj_contract import names
+from gpuobj_operator.ledger import SourceVerdict, is_lost
+from gpuobj_operator.model import ClaimInfo, ObjectInfo, StreamInfo
 
 
 def now_str(now: dt.datetime) -> str:
@@ -67,4 +69,129 @@ def agent_lost_object_status(*, pod_uid: str, generation: int, message: str, now
             condition([], names.CONDITION_READY, "False", "SourceLost", message, generation, now),
             condition([], names.CONDITION_SOURCE_AVAILABLE, "False", "AgentLostObject", message, generation, now),
         ],
+    }
+
+
+def desired_object_status(obj: ObjectInfo, verdict: SourceVerdict, claims: list[ClaimInfo], now: dt.datetime) -> dict:
+    """A GPUObject's status as the ledger sees it: state, counts, the Ready and SourceAvailable conditions."""
+    stamp = now_str(now)
+    existing = obj.status.get("conditions", [])
+    if obj.state == names.STATE_FAILED:
+        state = names.STATE_FAILED
+    elif is_lost(obj, verdict):
+        state = names.STATE_LOST
+    elif not obj.materialized:
+        state = names.STATE_PENDING
+    elif obj.deleting:
+        state = names.STATE_RELEASING
+    else:
+        state = names.STATE_READY
+    refs = len(claims) + (0 if obj.deleting else 1)
+    if state == names.STATE_READY:
+        ready = ("True", "Ready", "bytes are held by the source agent and can be fetched")
+    elif state == names.STATE_RELEASING:
+        ready = ("False", "WaitingForClaims", f"deleted; waiting for {len(claims)} claim(s) to go before freeing")
+    elif state == names.STATE_LOST:
+        ready = ("False", "SourceLost", verdict.message)
+    elif state == names.STATE_FAILED:
+        ready = next(
+            (("False", c["reason"], c["message"]) for c in existing if c["type"] == names.CONDITION_READY),
+            ("False", "Failed", "materialization failed"),
+        )
+    else:
+        ready = (
+            "False",
+            "Materializing",
+            verdict.message if not verdict.available else "waiting for the source agent",
+        )
+    status = {
+        "observedGeneration": obj.generation,
+        "state": state,
+        "objectId": obj.object_id if obj.materialized or not obj.declared else obj.status.get("objectId"),
+        "bytes": obj.bytes,
+        "tensorCount": len(obj.tensors),
+        "references": refs,
+        "claims": len(claims),
+        "conditions": [
+            condition(existing, names.CONDITION_READY, *ready, obj.generation, stamp),
+            condition(
+                existing,
+                names.CONDITION_SOURCE_AVAILABLE,
+                "True" if verdict.available else "False",
+                verdict.reason,
+                verdict.message,
+                obj.generation,
+                stamp,
+            ),
+        ],
+    }
+    if verdict.pod is not None and not verdict.pod.deleted:
+        status["sourcePodUID"] = verdict.pod.uid
+        if verdict.pod.endpoint:
+            status["transport"] = {
+                "backend": "nixl",
+                "agentEndpoint": verdict.pod.endpoint,
+                **(
+                    {"agentIncarnation": obj.status["transport"]["agentIncarnation"]}
+                    if obj.status.get("transport", {}).get("agentIncarnation")
+                    else {}
+                ),
+            }
+    else:
+        for k in ("sourcePodUID", "transport"):
+            if k in obj.status:
+                status[k] = obj.status[k]
+    if obj.status.get("objectId") is None and status["objectId"] is None:
+        del status["objectId"]
+    return status
+
+
+def desired_claim_status(
+    claim: ClaimInfo, obj: ObjectInfo | None, verdict: SourceVerdict | None, now: dt.datetime
+) -> dict:
+    """A claim's status: Bound to its object, Lost with it, or Pending until it exists.
+
+    ``obj`` None: no GPUObject of the claimed name and uid exists (any more); ``verdict`` is then unused.
+    """
+    stamp = now_str(now)
+    existing = claim.status.get("conditions", [])
+    if obj is None or verdict is None:
+        lost = claim.status.get("state") in ("Bound", "Lost")
+        state, reason, message = (
+            ("Lost", "ObjectGone", f"GPUObject {claim.object_name} no longer exists")
+            if lost
+            else ("Pending", "ObjectNotFound", f"GPUObject {claim.object_name} does not exist (yet)")
+        )
+        desired = {
+            "state": state,
+            "conditions": [condition(existing, "Bound", "False", reason, message, 1, stamp)],
+        }
+        if claim.status.get("objectUID"):
+            desired["objectUID"] = claim.status["objectUID"]
+    else:
+        if is_lost(obj, verdict):
+            state, reason, message = "Lost", "SourceLost", verdict.message
+        else:
+            state, reason, message = "Bound", "Bound", f"references GPUObject {obj.name} on pod {obj.source_pod}"
+        desired = {
+            "state": state,
+            "objectUID": obj.uid,
+            "bytes": obj.bytes,
+            "sourcePod": obj.source_pod,
+            "conditions": [
+                condition(existing, "Bound", "True" if state == "Bound" else "False", reason, message, 1, stamp)
+            ],
+        }
+    desired["observedGeneration"] = 1
+    return desired
+
+
+def desired_stream_status(stream: StreamInfo, items: list[ObjectInfo]) -> dict:
+    """A stream's counters: items emitted (never decreasing), live items and their bytes."""
+    emitted = max((i.stream[1] + 1 for i in items if i.stream), default=0)
+    return {
+        "observedGeneration": 1,
+        "emitted": max(emitted, int(stream.status.get("emitted", 0))),
+        "liveItems": len([i for i in items if not i.deleting]),
+        "bytes": sum(i.bytes for i in items if not i.deleting),
     }

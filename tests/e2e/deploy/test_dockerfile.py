@@ -99,30 +99,54 @@ def test_every_external_base_image_is_pinned_by_an_exact_tag(stages: dict[str, S
             assert re.match(r"^\d+\.\d+\.\d+", tag), f"{stage.name}: {stage.base} is not an exact version tag"
 
 
+def chain(stages: dict[str, Stage], target: str) -> list[Stage]:
+    """The stages an image is made of: the target and the stages it is FROM, down to an external base."""
+    out = [stages[target]]
+    while out[-1].base in stages:
+        out.append(stages[out[-1].base])
+    return out
+
+
+def _installs(stage: Stage) -> bool:
+    return any(re.search(r"\bvenv\b|pip3? |-m pip ", r) for r in stage.all("RUN"))
+
+
 def test_final_stages_use_the_promised_bases_and_no_builder(stages: dict[str, Stage]) -> None:
-    assert re.fullmatch(r"python:3\.11\.\d+-slim(-\w+)?", stages["operator"].base), stages["operator"].base
-    assert re.fullmatch(r"nvidia/cuda:\d+\.\d+\.\d+-runtime-ubuntu\d+\.\d+", stages["agent"].base), stages["agent"].base
+    """A final image starts from a clean base, possibly through runtime stages (cached layers), never a builder."""
+    assert re.fullmatch(r"python:3\.11\.\d+-slim(-\w+)?", chain(stages, "operator")[-1].base)
+    assert re.fullmatch(r"nvidia/cuda:\d+\.\d+\.\d+-runtime-ubuntu\d+\.\d+", chain(stages, "agent")[-1].base)
     for target in FINAL:
-        assert stages[target].base not in stages, f"{target} must start from a clean base image, not a stage"
+        for stage in chain(stages, target):
+            assert not _installs(stage), f"{target} is built on {stage.name}, which installs packages"
 
 
 def test_builder_builds_a_wheel_and_virtualenvs_the_final_stages_copy(stages: dict[str, Stage]) -> None:
     runs = {name: " ".join(stage.all("RUN")) for name, stage in stages.items()}
     assert any("pip wheel" in r for r in runs.values()), "a stage builds the gpuobj wheel"
-    builders = {name for name, r in runs.items() if "venv" in r and name not in FINAL}
+    final = {stage.name for target in FINAL for stage in chain(stages, target)}
+    builders = {name for name, stage in stages.items() if _installs(stage) and name not in final}
     for target in FINAL:
-        copies = [c for c in stages[target].all("COPY") if c.startswith("--from=")]
+        copies = [c for stage in chain(stages, target) for c in stage.all("COPY") if c.startswith("--from=")]
         sources = {c.split()[0].removeprefix("--from=") for c in copies}
-        assert sources and sources <= builders, f"{target} copies its virtualenv from a builder: {copies}"
-    for name, stage in stages.items():
-        env = " ".join(stage.all("ENV"))
-        for command in re.findall(r"pip3? install[^&;]*|-m pip install[^&;]*", runs[name]):
+        assert sources and sources <= builders, f"{target} copies what builders installed: {copies}"
+    for name in stages:
+        env = " ".join(s.all("ENV")[0] for s in chain(stages, name) if s.all("ENV"))
+        for command in re.findall(r"pip3? (?:--python \S+ )?install[^&;]*|-m pip install[^&;]*", runs[name]):
             assert "--no-cache-dir" in command or "PIP_NO_CACHE_DIR=1" in env, f"{name}: pip cache kept: {command}"
+
+
+def test_agent_dependencies_layer_depends_on_pyproject_only(stages: dict[str, Stage]) -> None:
+    """torch's 6 GB are installed from pyproject.toml alone, so a source change does not reinstall them."""
+    deps = [name for name, stage in stages.items() if any("optional-dependencies" in r for r in stage.all("RUN"))]
+    assert len(deps) == 1, deps
+    stage = chain(stages, deps[0])
+    copies = [c for s in stage for c in s.all("COPY")]
+    assert copies == ["pyproject.toml /src/pyproject.toml"], copies
 
 
 def test_final_stages_carry_no_build_tools_and_no_pip_cache(stages: dict[str, Stage]) -> None:
     for target in FINAL:
-        for command in stages[target].all("RUN"):
+        for command in (c for stage in chain(stages, target) for c in stage.all("RUN")):
             assert not BUILD_TOOLS.search(command), f"{target}: {command}"
             if "apt-get install" in command:
                 assert "--no-install-recommends" in command and "rm -rf /var/lib/apt/lists/*" in command, command

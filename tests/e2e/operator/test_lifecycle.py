@@ -89,7 +89,10 @@ def test_kubectl_apply_of_the_examples_and_delete_waiting_for_claims(
     trainer.run(f"client.publish({declared['spec']['key']!r}, [{make}])")
     k = gpuobj_cluster.kubectl
     k("apply", "-n", namespace, "-f", str(examples / "gpuobject.yaml"), "-f", str(examples / "gpuobjectclaim.yaml"))
-    wait_object(gpuobj_cluster, namespace, "weights", lambda o: state(o) == "Ready" and refs(o) == 2)
+    ready = wait_object(gpuobj_cluster, namespace, "weights", lambda o: state(o) == "Ready" and refs(o) == 2)
+    # The materialize answer names the agent process holding the bytes: its liveness rules need it.
+    process = agent_http.inventory(pods.endpoint("trainer-0"), token_file)["incarnation"]
+    assert process and ready["status"]["transport"]["agentIncarnation"] == process
     table = k("get", "gpuobj", "-n", namespace).stdout
     assert "weights" in table and "Ready" in table and "trainer-0" in table, table
     claim = kube(gpuobj_cluster, lambda c: c.get(CLAIMS, "weights-reader", namespace))

@@ -68,6 +68,19 @@ def test_materialize_and_read_end_shapes() -> None:
     assert end.to_json() == {"ended": True, "valid": True, "expired": False}
 
 
+def test_materialize_names_the_namespaces_it_shares_with_and_answers_the_holding_process() -> None:
+    req = api.MaterializeRequest((TensorLayout((2,), "int8", "cpu"),), stream="s", stream_index=0, shared_with=("b",))
+    assert req.to_json() == {
+        "tensors": [{"shape": [2], "dtype": "int8", "device": "cpu"}],
+        "stream": "s",
+        "streamIndex": 0,
+        "sharedWith": ["b"],
+    }
+    answer = api.MaterializeAnswer(created=True, id="o-1", bytes=2, incarnation="i-7")
+    assert api.MaterializeAnswer.from_json({**answer.to_json(), "tensors": [], "createdAt": "x"}) == answer
+    assert api.MaterializeAnswer.from_json({"created": False}).incarnation == ""  # an older agent: unknown
+
+
 def _ticket(**overrides: object) -> dict:
     data = {
         "readId": "r-1",

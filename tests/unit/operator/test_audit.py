@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from gpuobj_operator.audit import InventoryItem, evaluate, expected_objects, parse_inventory
+from gpuobj_contract import names
+from gpuobj_contract.agent_api import Inventory, InventoryItem
+from gpuobj_operator.actions import Emit, PatchObjectStatus
+from gpuobj_operator.audit import evaluate, expected_objects, lost_actions
 from tests.unit.operator.test_ledger import obj, pod, synced_ledger
+
+NOW = "2026-12-01T12:00:00Z"
 
 
 def item(object_id: str, age: float, size: int = 100) -> InventoryItem:
@@ -18,7 +23,7 @@ def test_unreferenced_bytes_count_after_settling_and_are_reclaimed_after_the_gra
         ledger, p, items, expected_objects(ledger, p), settle_seconds=1, grace_seconds=30, pending_free_age={}
     )
     assert findings.leaked_bytes == 200  # settled + old; the young one may be a put whose GPUObject is on its way
-    assert [i.object_id for i in findings.reclaim] == ["orphan-old"]
+    assert [i.id for i in findings.reclaim] == ["orphan-old"]
     assert findings.missing == []
 
 
@@ -48,6 +53,24 @@ def test_objects_of_a_replaced_pod_are_not_expected_from_the_new_agent() -> None
     assert expected_objects(ledger, pod(uid="pod-uid-2")) == {}
 
 
-def test_inventory_parsing_reads_the_agent_contract() -> None:
-    inventory = {"objects": [{"id": "o-1", "bytes": 4096, "ageSeconds": 1.5, "stream": "s"}]}
-    assert parse_inventory(inventory) == [InventoryItem("o-1", 4096, 1.5, "s")]
+def test_the_audit_reads_the_agent_contracts_inventory() -> None:
+    p = pod()
+    ledger = synced_ledger(p)
+    answer = {"podUID": p.uid, "objects": [{"id": "orphan", "bytes": 4096, "ageSeconds": 40.0, "stream": "s"}]}
+    inventory = Inventory.from_json(answer)
+    findings = evaluate(ledger, p, inventory.objects, {}, settle_seconds=1, grace_seconds=30, pending_free_age={})
+    assert findings.leaked_bytes == 4096
+    assert findings.reclaim == [InventoryItem("orphan", 4096, 40.0, "s")]
+
+
+def test_missing_objects_become_lost_with_a_warning_once() -> None:
+    p = pod()
+    held, deleting, lost = obj("a", uid="ua"), obj("b", uid="ub", deleting=True), obj("c", uid="uc")
+    lost.status["state"] = names.STATE_LOST
+    actions = lost_actions(p, [held, deleting, lost], NOW)
+    assert [type(a) for a in actions] == [PatchObjectStatus, Emit]  # deleting and already Lost: nothing to say
+    patch, emit = actions
+    assert patch.key == held.key and patch.status["state"] == names.STATE_LOST
+    assert patch.status["sourcePodUID"] == p.uid
+    assert (emit.type, emit.reason, emit.uid) == ("Warning", "Lost", "ua")
+    assert "no longer holds object o-a" in emit.message

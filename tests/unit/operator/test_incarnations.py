@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime as dt
 
 from gpuobj_contract import names
-from gpuobj_operator.ledger import (
+from gpuobj_operator.actions import (
     DeleteClaim,
     DeleteObject,
     Emit,
@@ -17,6 +17,7 @@ from gpuobj_operator.ledger import (
     ReleaseWithoutFree,
     Requeue,
 )
+from gpuobj_operator.decisions import decide_claim, decide_object
 from gpuobj_operator.liveness import Liveness
 from tests.unit.operator.test_ledger import NOW, NS, claim, kinds, obj, pod, synced_ledger
 
@@ -87,9 +88,9 @@ def test_probes_back_off_while_failing_or_gone_and_confirm_refusals_quickly() ->
 def test_claim_of_a_dead_holder_process_is_deleted_with_the_process_named() -> None:
     ledger = synced_ledger(pod(), reader_pod(), obj(), claim(holder_pod="reader", holder_incarnation="r-1"))
     ledger.liveness.observe_alive(READER, "pod-uid-r", "r-1", probe_started=1.0)
-    assert DeleteClaim not in kinds(ledger.decide_claim((NS, "c1"), NOW))
+    assert DeleteClaim not in kinds(decide_claim(ledger, (NS, "c1"), NOW))
     ledger.liveness.observe_alive(READER, "pod-uid-r", "r-2", probe_started=2.0)
-    [action] = [a for a in ledger.decide_claim((NS, "c1"), NOW) if isinstance(a, DeleteClaim)]
+    [action] = [a for a in decide_claim(ledger, (NS, "c1"), NOW) if isinstance(a, DeleteClaim)]
     assert action.holder == "process" and "r-1" in action.reason
 
 
@@ -97,15 +98,15 @@ def test_claim_without_an_incarnation_lives_as_long_as_its_pod() -> None:
     ledger = synced_ledger(pod(), reader_pod(), obj(), claim(holder_pod="reader"))
     ledger.liveness.observe_refused(READER, "pod-uid-r", 1.0)
     ledger.liveness.observe_refused(READER, "pod-uid-r", 2.0)
-    assert DeleteClaim not in kinds(ledger.decide_claim((NS, "c1"), NOW))
+    assert DeleteClaim not in kinds(decide_claim(ledger, (NS, "c1"), NOW))
 
 
 def test_object_of_a_restarted_source_process_becomes_lost_and_is_released_without_a_free() -> None:
     ledger = synced_ledger(pod(), obj(spec_incarnation="s-1"))
     ledger.liveness.observe_alive(SRC, "pod-uid-1", "s-1", probe_started=1.0)
-    assert not any(isinstance(a, DeleteObject) for a in ledger.decide_object((NS, "w"), NOW))
+    assert not any(isinstance(a, DeleteObject) for a in decide_object(ledger, (NS, "w"), NOW))
     ledger.liveness.observe_alive(SRC, "pod-uid-1", "s-2", probe_started=2.0)
-    actions = ledger.decide_object((NS, "w"), NOW)
+    actions = decide_object(ledger, (NS, "w"), NOW)
     assert kinds(actions) == [PatchObjectStatus, Emit, DeleteObject]
     status = actions[0].status
     assert status["state"] == names.STATE_LOST
@@ -113,16 +114,16 @@ def test_object_of_a_restarted_source_process_becomes_lost_and_is_released_witho
     assert (available["status"], available["reason"]) == ("False", "SourceAgentRestarted")
     # Once deleted, its bytes went with the process: no free is sent to the new one.
     ledger.upsert_object(obj(spec_incarnation="s-1", deleting=True, status=status), now=3.0)
-    assert kinds(ledger.decide_object((NS, "w"), NOW)) == [ReleaseWithoutFree]
+    assert kinds(decide_object(ledger, (NS, "w"), NOW)) == [ReleaseWithoutFree]
 
 
 def test_object_of_a_source_agent_that_nothing_answers_for_is_lost() -> None:
     ledger = synced_ledger(pod(), obj(spec_incarnation="s-1", deleting=True))
     ledger.liveness.observe_alive(SRC, "pod-uid-1", "s-1", probe_started=1.0)
-    assert kinds(ledger.decide_object((NS, "w"), NOW)) == [Free]
+    assert kinds(decide_object(ledger, (NS, "w"), NOW)) == [Free]
     ledger.liveness.observe_refused(SRC, "pod-uid-1", 2.0)
     ledger.liveness.observe_refused(SRC, "pod-uid-1", 3.0)
-    assert kinds(ledger.decide_object((NS, "w"), NOW)) == [ReleaseWithoutFree]
+    assert kinds(decide_object(ledger, (NS, "w"), NOW)) == [ReleaseWithoutFree]
 
 
 def test_bytes_held_only_by_claims_of_dead_holders_count_as_leaked_until_dropped() -> None:
@@ -155,12 +156,12 @@ def test_after_a_probe_the_records_of_other_incarnations_are_re_decided() -> Non
 def test_a_claim_with_a_ttl_is_rechecked_when_due_and_dropped_once_it_ran_out() -> None:
     created = NOW - dt.timedelta(seconds=5)
     ledger = synced_ledger(pod(), obj(), claim(ttl_seconds=10, created=created))
-    [requeue] = [a for a in ledger.decide_claim((NS, "c1"), NOW) if isinstance(a, Requeue)]
+    [requeue] = [a for a in decide_claim(ledger, (NS, "c1"), NOW) if isinstance(a, Requeue)]
     assert (requeue.kind, requeue.key, requeue.seconds) == ("claim", (NS, "c1"), 5.0)
-    [drop] = ledger.decide_claim((NS, "c1"), NOW + dt.timedelta(seconds=5))
+    [drop] = decide_claim(ledger, (NS, "c1"), NOW + dt.timedelta(seconds=5))
     assert isinstance(drop, DeleteClaim) and drop.holder == "ttl" and "TTL of 10s" in drop.reason
 
 
 def test_a_claim_without_a_ttl_never_expires() -> None:
     ledger = synced_ledger(pod(), obj(), claim(created=NOW - dt.timedelta(days=365)))
-    assert not [a for a in ledger.decide_claim((NS, "c1"), NOW) if isinstance(a, DeleteClaim | Requeue)]
+    assert not [a for a in decide_claim(ledger, (NS, "c1"), NOW) if isinstance(a, DeleteClaim | Requeue)]

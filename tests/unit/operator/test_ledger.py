@@ -8,14 +8,13 @@ import pytest
 
 from gpuobj_contract import names
 from gpuobj_contract.layouts import tensor_bytes
-from gpuobj_operator.ledger import (
+from gpuobj_operator.actions import (
     AddFinalizer,
     DeleteClaim,
     DeleteObject,
     Emit,
     FinishStream,
     Free,
-    Ledger,
     LookupPod,
     Materialize,
     PatchClaimStatus,
@@ -23,6 +22,8 @@ from gpuobj_operator.ledger import (
     ReleaseWithoutFree,
     SetClaimOwner,
 )
+from gpuobj_operator.decisions import decide_claim, decide_object, decide_stream
+from gpuobj_operator.ledger import Ledger
 from gpuobj_operator.model import ClaimInfo, ObjectInfo, PodInfo, StreamInfo
 
 NOW = dt.datetime(2026, 11, 29, 12, 0, tzinfo=dt.UTC)
@@ -76,12 +77,12 @@ def kinds(actions) -> list[type]:
 def test_nothing_is_decided_before_every_kind_was_listed() -> None:
     ledger = synced_ledger(pod(), obj(deleting=True))
     ledger.synced = False
-    assert ledger.decide_object((NS, "w"), NOW) == []
+    assert decide_object(ledger, (NS, "w"), NOW) == []
 
 
 def test_a_live_object_gets_ready_status_once_and_then_no_writes() -> None:
     ledger = synced_ledger(pod(), obj())
-    actions = ledger.decide_object((NS, "w"), NOW)
+    actions = decide_object(ledger, (NS, "w"), NOW)
     assert kinds(actions) == [PatchObjectStatus]
     status = actions[0].status
     assert status["state"] == names.STATE_READY
@@ -92,12 +93,12 @@ def test_a_live_object_gets_ready_status_once_and_then_no_writes() -> None:
     # Once the status is what we would write, nothing is written again.
     o = ledger.objects[(NS, "w")]
     o.status = status
-    assert ledger.decide_object((NS, "w"), NOW + dt.timedelta(seconds=5)) == []
+    assert decide_object(ledger, (NS, "w"), NOW + dt.timedelta(seconds=5)) == []
 
 
 def test_deleted_object_without_claims_is_freed_on_its_source() -> None:
     ledger = synced_ledger(pod(), obj(deleting=True))
-    (action,) = ledger.decide_object((NS, "w"), NOW)
+    (action,) = decide_object(ledger, (NS, "w"), NOW)
     # The free names the pod uid the agent must serve (it refuses otherwise: a reused address, a decoy).
     assert action == Free((NS, "w"), "obj-uid-1", "o-w", "10.0.0.5:8471", 64, "OutOfScope", "pod-uid-1")
 
@@ -105,15 +106,15 @@ def test_deleted_object_without_claims_is_freed_on_its_source() -> None:
 def test_deleted_object_waits_for_its_claims_and_frees_after_the_last_goes() -> None:
     c1, c2 = claim("c1"), claim("c2")
     ledger = synced_ledger(pod(), obj(deleting=True), c1, c2)
-    actions = ledger.decide_object((NS, "w"), NOW)
+    actions = decide_object(ledger, (NS, "w"), NOW)
     assert kinds(actions) == [PatchObjectStatus]
     assert actions[0].status["state"] == names.STATE_RELEASING
     assert actions[0].status["references"] == 2
     ledger.remove_claim(c1, now=1.0)
-    assert Free not in kinds(ledger.decide_object((NS, "w"), NOW))
+    assert Free not in kinds(decide_object(ledger, (NS, "w"), NOW))
     assert (NS, "w") not in ledger.ref_gone_at
     ledger.remove_claim(c2, now=2.0)
-    assert kinds(ledger.decide_object((NS, "w"), NOW)) == [Free]
+    assert kinds(decide_object(ledger, (NS, "w"), NOW)) == [Free]
     assert ledger.ref_gone_at[(NS, "w")] == 2.0
 
 
@@ -121,35 +122,35 @@ def test_a_copy_naming_the_same_bytes_never_frees_them_while_the_original_lives(
     """Issue 11: a peer copied spec.objectId and source into a new GPUObject and deleted it."""
     ledger = synced_ledger(pod(), obj("real"), claim("c1", "real"), obj("copy", uid="obj-uid-2", deleting=True,
                                                                        spec_object_id="o-real"))  # fmt: skip
-    actions = ledger.decide_object((NS, "copy"), NOW)
+    actions = decide_object(ledger, (NS, "copy"), NOW)
     assert kinds(actions) == [Emit, ReleaseWithoutFree]
     assert actions[0].reason == "DuplicateObjectId" and actions[1].reason == "DuplicateObjectId"
     # The original, once deleted and unclaimed (the copy gone), is freed as usual.
     ledger.remove_object(ledger.objects[(NS, "copy")])
     ledger.remove_claim(ledger.claims[(NS, "c1")], now=1.0)
     ledger.objects[(NS, "real")].deleting = True
-    assert kinds(ledger.decide_object((NS, "real"), NOW)) == [Free]
+    assert kinds(decide_object(ledger, (NS, "real"), NOW)) == [Free]
 
 
 def test_a_claim_shared_by_a_pod_other_than_the_source_holds_nothing() -> None:
     ledger = synced_ledger(pod(), obj(deleting=True), claim("bogus", holder_pod="victim", shared_by="intruder"))
-    assert kinds(ledger.decide_object((NS, "w"), NOW)) == [Free]
+    assert kinds(decide_object(ledger, (NS, "w"), NOW)) == [Free]
     ledger = synced_ledger(pod(), obj(deleting=True), claim("real", holder_pod="reader", shared_by="src"))
-    assert Free not in kinds(ledger.decide_object((NS, "w"), NOW))
+    assert Free not in kinds(decide_object(ledger, (NS, "w"), NOW))
 
 
 def test_claims_pinned_to_another_incarnation_or_being_deleted_hold_nothing() -> None:
     ledger = synced_ledger(
         pod(), obj(deleting=True), claim("old", object_uid="an-older-uid"), claim("dying", deleting=True)
     )
-    assert kinds(ledger.decide_object((NS, "w"), NOW)) == [Free]
+    assert kinds(decide_object(ledger, (NS, "w"), NOW)) == [Free]
 
 
 def test_source_pod_deleted_makes_the_object_lost_and_cleans_it_up_when_unclaimed() -> None:
     p = pod()
     ledger = synced_ledger(p, obj())
     ledger.remove_pod(p)
-    actions = ledger.decide_object((NS, "w"), NOW)
+    actions = decide_object(ledger, (NS, "w"), NOW)
     assert kinds(actions) == [PatchObjectStatus, Emit, DeleteObject]
     assert actions[0].status["state"] == names.STATE_LOST
     assert actions[1].reason == "Lost"
@@ -160,43 +161,43 @@ def test_lost_object_with_claims_stays_until_they_go_and_is_then_released_withou
     p, c = pod(), claim()
     ledger = synced_ledger(p, obj(), c)
     ledger.remove_pod(p)
-    actions = ledger.decide_object((NS, "w"), NOW)
+    actions = decide_object(ledger, (NS, "w"), NOW)
     assert DeleteObject not in kinds(actions)
-    claim_actions = ledger.decide_claim((NS, "c1"), NOW)
+    claim_actions = decide_claim(ledger, (NS, "c1"), NOW)
     assert claim_actions[0].status["state"] == "Lost"
     # The owner deletes it; once the claim goes there is nothing to free: the memory went with the pod.
     ledger.upsert_object(obj(deleting=True), now=1.0)
     ledger.remove_claim(c, now=2.0)
-    (action,) = ledger.decide_object((NS, "w"), NOW)
+    (action,) = decide_object(ledger, (NS, "w"), NOW)
     assert action == ReleaseWithoutFree((NS, "w"), "obj-uid-1", "SourcePodDeleted")
 
 
 def test_source_pod_recreated_with_a_new_uid_makes_the_object_lost() -> None:
     ledger = synced_ledger(pod(uid="pod-uid-2"), obj())
-    actions = ledger.decide_object((NS, "w"), NOW)
+    actions = decide_object(ledger, (NS, "w"), NOW)
     assert actions[0].status["state"] == names.STATE_LOST
     assert "recreated" in actions[0].status["conditions"][0]["message"]
 
 
 def test_unknown_source_pod_is_looked_up_first() -> None:
     ledger = synced_ledger(obj(deleting=True))
-    assert ledger.decide_object((NS, "w"), NOW) == [LookupPod(NS, "src")]
+    assert decide_object(ledger, (NS, "w"), NOW) == [LookupPod(NS, "src")]
 
 
 def test_object_without_our_finalizer_gets_it() -> None:
     ledger = synced_ledger(pod(), obj(finalized=False))
-    assert kinds(ledger.decide_object((NS, "w"), NOW)) == [AddFinalizer]
+    assert kinds(decide_object(ledger, (NS, "w"), NOW)) == [AddFinalizer]
 
 
 def test_deleted_object_without_our_finalizer_is_left_to_the_api_server() -> None:
     ledger = synced_ledger(pod(), obj(finalized=False, deleting=True))
-    assert ledger.decide_object((NS, "w"), NOW) == []
+    assert decide_object(ledger, (NS, "w"), NOW) == []
 
 
 def test_declared_object_is_materialized_by_its_source_agent() -> None:
     declared = obj(spec_object_id=None, source_pod_uid=None, key_name="weights")
     ledger = synced_ledger(pod(), declared)
-    assert ledger.decide_object((NS, "w"), NOW) == [
+    assert decide_object(ledger, (NS, "w"), NOW) == [
         Materialize((NS, "w"), "obj-uid-1", "10.0.0.5:8471", "obj-uid-1", "pod-uid-1")
     ]
 
@@ -205,7 +206,7 @@ def test_declared_object_whose_pod_does_not_exist_yet_waits_instead_of_being_los
     declared = obj(spec_object_id=None, source_pod_uid=None)
     ledger = synced_ledger(declared)
     ledger.remove_pod(PodInfo(NS, "src", uid="", deleted=True))
-    actions = ledger.decide_object((NS, "w"), NOW)
+    actions = decide_object(ledger, (NS, "w"), NOW)
     assert kinds(actions) == [PatchObjectStatus]
     assert actions[0].status["state"] == names.STATE_PENDING
 
@@ -216,27 +217,27 @@ def test_late_report_of_a_consumed_stream_item_is_deleted_not_counted() -> None:
     late = obj("tokens-3", uid="i3", stream=("tokens", 3))
     fresh = obj("tokens-5", uid="i5", stream=("tokens", 5))
     ledger = synced_ledger(pod(), stream, late, fresh)
-    (action,) = ledger.decide_object((NS, "tokens-3"), NOW)
+    (action,) = decide_object(ledger, (NS, "tokens-3"), NOW)
     assert isinstance(action, DeleteObject) and action.reason == "StaleStreamReport"
-    assert DeleteObject not in kinds(ledger.decide_object((NS, "tokens-5"), NOW))
+    assert DeleteObject not in kinds(decide_object(ledger, (NS, "tokens-5"), NOW))
 
 
 def test_deleting_a_stream_deletes_its_items_then_finishes() -> None:
     stream = StreamInfo(NS, "tokens", "s-uid", producer_pod="src", deleting=True, finalized=True)
     item = obj("tokens-0", uid="i0", stream=("tokens", 0))
     ledger = synced_ledger(pod(), stream, item)
-    assert kinds(ledger.decide_stream((NS, "tokens"), NOW)) == [DeleteObject]
+    assert kinds(decide_stream(ledger, (NS, "tokens"), NOW)) == [DeleteObject]
     ledger.upsert_object(obj("tokens-0", uid="i0", stream=("tokens", 0), deleting=True), now=1.0)
-    assert ledger.decide_stream((NS, "tokens"), NOW) == []  # waits for the item's free
+    assert decide_stream(ledger, (NS, "tokens"), NOW) == []  # waits for the item's free
     ledger.remove_object(ledger.objects[(NS, "tokens-0")])
-    assert ledger.decide_stream((NS, "tokens"), NOW) == [
+    assert decide_stream(ledger, (NS, "tokens"), NOW) == [
         FinishStream((NS, "tokens"), "s-uid", "10.0.0.5:8471", "pod-uid-1")
     ]
 
 
 def test_item_of_a_vanished_stream_is_deleted() -> None:
     ledger = synced_ledger(pod(), obj("tokens-0", stream=("tokens", 0)))
-    (action,) = ledger.decide_object((NS, "tokens-0"), NOW)
+    (action,) = decide_object(ledger, (NS, "tokens-0"), NOW)
     assert isinstance(action, DeleteObject) and action.reason == "StreamDeleted"
 
 
@@ -245,28 +246,28 @@ def test_claim_whose_holder_pod_is_gone_is_deleted_as_a_backstop_to_garbage_coll
     c = claim(owner_pods={"reader": "r-1"})
     ledger = synced_ledger(pod(), holder, obj(), c)
     ledger.remove_pod(holder)
-    assert ledger.decide_claim((NS, "c1"), NOW) == [DeleteClaim((NS, "c1"), "claim-c1", "holder pod reader is gone")]
+    assert decide_claim(ledger, (NS, "c1"), NOW) == [DeleteClaim((NS, "c1"), "claim-c1", "holder pod reader is gone")]
 
 
 def test_claim_naming_a_holder_gets_the_pod_as_owner() -> None:
     ledger = synced_ledger(pod(), pod("reader", uid="r-1"), obj(), claim(holder_pod="reader"))
-    actions = ledger.decide_claim((NS, "c1"), NOW)
+    actions = decide_claim(ledger, (NS, "c1"), NOW)
     assert actions[0] == SetClaimOwner((NS, "c1"), "claim-c1", "reader", "r-1")
     assert kinds(actions)[1:] == [PatchClaimStatus]
 
 
 def test_claim_on_a_missing_object_is_pending_and_lost_once_its_object_goes() -> None:
     ledger = synced_ledger(pod(), claim(object_name="nope"))
-    (action,) = ledger.decide_claim((NS, "c1"), NOW)
+    (action,) = decide_claim(ledger, (NS, "c1"), NOW)
     assert action.status["state"] == "Pending"
     ledger.claims[(NS, "c1")].status = {"state": "Bound"}
-    (action,) = ledger.decide_claim((NS, "c1"), NOW)
+    (action,) = decide_claim(ledger, (NS, "c1"), NOW)
     assert action.status["state"] == "Lost"
 
 
 def test_bound_claim_reports_bytes_and_source() -> None:
     ledger = synced_ledger(pod(), obj(), claim())
-    (action,) = ledger.decide_claim((NS, "c1"), NOW)
+    (action,) = decide_claim(ledger, (NS, "c1"), NOW)
     assert action.status["state"] == "Bound"
     assert action.status["bytes"] == 64 and action.status["sourcePod"] == "src"
 

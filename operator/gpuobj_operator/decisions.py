@@ -1,0 +1,190 @@
+"""What must happen next for each GPUObject, claim and stream. Pure functions of the ledger.
+
+Why: this is where gpuobj's rules live. The ledger (ledger.py) holds the state, these
+functions read it and return actions (actions.py), statuses come from the builders
+(statuses.py), and the reconciler executes; so every rule is unit-tested without a server.
+
+Rules (see DESIGN.md, "Object lifecycle"):
+- An object's references are its live claims, plus the owner's own reference
+  until the GPUObject is deleted.
+- Out of scope (deleted and no live claim) -> free on the source, then drop the
+  finalizer. Never before every kind of state has been listed once (``synced``).
+- A source pod that is gone, terminated or replaced (new UID) makes its objects
+  Lost; a Lost object with no claim is deleted and its finalizer dropped without
+  a free (its memory went with the pod).
+- A stream item whose index is below the stream's read position was consumed:
+  a report of it that arrives late is deleted at once (seed 003).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable
+
+from gpuobj_contract import names
+from gpuobj_operator.actions import (
+    Action,
+    AddFinalizer,
+    DeleteClaim,
+    DeleteObject,
+    Emit,
+    FinishStream,
+    Free,
+    LookupPod,
+    Materialize,
+    PatchClaimStatus,
+    PatchObjectStatus,
+    PatchStreamStatus,
+    ReleaseWithoutFree,
+    Requeue,
+    SetClaimOwner,
+)
+from gpuobj_operator.ledger import Ledger, SourceVerdict, is_lost
+from gpuobj_operator.model import ClaimInfo, Key, ObjectInfo
+from gpuobj_operator.statuses import desired_claim_status, desired_object_status, desired_stream_status
+
+
+def decide_object(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
+    """What must happen for this GPUObject now. Empty when nothing is to be done."""
+    obj = ledger.objects.get(key)
+    if obj is None or not ledger.synced:
+        return []
+    verdict = ledger.source_verdict(obj)
+    if verdict.unknown:
+        return [LookupPod(obj.namespace, obj.source_pod)]
+    claims = ledger.live_claims(obj)
+    if obj.deleting:
+        if not obj.finalized:
+            return []  # not ours to hold; the API server removes it
+        if claims:
+            return _status_actions(obj, verdict, claims, now)
+        if ledger.siblings(obj):
+            message = f"another GPUObject names object {obj.object_id} of pod {obj.source_pod}; not freed"
+            return [
+                Emit("GPUObject", obj.key, obj.uid, "Warning", "DuplicateObjectId", message),
+                ReleaseWithoutFree(obj.key, obj.uid, "DuplicateObjectId"),
+            ]
+        if verdict.available and obj.materialized:
+            pod = verdict.pod
+            return [Free(obj.key, obj.uid, obj.object_id, pod.endpoint, obj.bytes, "OutOfScope", pod.uid)]  # type: ignore[union-attr,arg-type]
+        if verdict.reason == "AgentEndpointUnknown" and obj.materialized:
+            return _status_actions(obj, verdict, claims, now)  # wait for the pod's address
+        return [ReleaseWithoutFree(obj.key, obj.uid, verdict.reason if not verdict.available else "NeverMaterialized")]
+    if not obj.finalized:
+        return [AddFinalizer(obj.key, obj.uid)]
+    if obj.stream:
+        stream = ledger.streams.get((obj.namespace, obj.stream[0]))
+        if stream is None or stream.deleting:
+            return [DeleteObject(obj.key, obj.uid, "StreamDeleted", f"stream {obj.stream[0]} is gone")]
+        if obj.stream[1] < stream.consumed and not claims:
+            return [
+                DeleteObject(
+                    obj.key,
+                    obj.uid,
+                    "StaleStreamReport",
+                    f"item {obj.stream[1]} of stream {obj.stream[0]} was already consumed"
+                    f" (read position {stream.consumed})",
+                )
+            ]
+    if is_lost(obj, verdict):
+        actions = _status_actions(obj, verdict, claims, now)
+        if obj.state != names.STATE_LOST:
+            actions.append(Emit("GPUObject", obj.key, obj.uid, "Warning", "Lost", verdict.message))
+        if not claims:
+            actions.append(DeleteObject(obj.key, obj.uid, "Lost", f"{verdict.message}; no claim remains"))
+        return actions
+    if obj.declared and not obj.materialized and verdict.available and obj.state != names.STATE_FAILED:
+        return [Materialize(obj.key, obj.uid, verdict.pod.endpoint, obj.object_id, verdict.pod.uid)]  # type: ignore[union-attr]
+    return _status_actions(obj, verdict, claims, now)
+
+
+def _status_actions(obj: ObjectInfo, verdict: SourceVerdict, claims: list[ClaimInfo], now: dt.datetime) -> list[Action]:
+    desired = desired_object_status(obj, verdict, claims, now)
+    if _status_differs(obj.status, desired):
+        return [PatchObjectStatus(obj.key, desired)]
+    return []
+
+
+def decide_claim(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
+    """What must happen for this claim now: drop it when its holder or TTL is gone, else keep its status."""
+    claim = ledger.claims.get(key)
+    if claim is None or not ledger.synced or claim.deleting:
+        return []
+    actions: list[Action] = []
+    # Holder pod: ownerReference for garbage collection; the operator as a backstop.
+    for pod_name, pod_uid in claim.owner_pods.items():
+        pod = ledger.pods.get((claim.namespace, pod_name))
+        if pod is None:
+            return [LookupPod(claim.namespace, pod_name)]
+        if pod.deleted or pod.uid != pod_uid:
+            return [DeleteClaim(claim.key, claim.uid, f"holder pod {pod_name} is gone")]
+    if claim.holder_incarnation and (why := ledger.holder_process_gone(claim)):
+        return [DeleteClaim(claim.key, claim.uid, why, holder="process")]
+    if claim.ttl_seconds and claim.created:
+        left = (claim.created + dt.timedelta(seconds=claim.ttl_seconds) - now).total_seconds()
+        if left <= 0:
+            return [DeleteClaim(claim.key, claim.uid, f"its TTL of {claim.ttl_seconds}s expired", holder="ttl")]
+        actions.append(Requeue("claim", claim.key, left))
+    if claim.holder_pod and claim.holder_pod not in claim.owner_pods:
+        pod = ledger.pods.get((claim.namespace, claim.holder_pod))
+        if pod is None:
+            return [LookupPod(claim.namespace, claim.holder_pod)]
+        if not pod.deleted:
+            actions.append(SetClaimOwner(claim.key, claim.uid, pod.name, pod.uid))
+    obj = ledger.objects.get(claim.object_key)
+    if obj is None or (claim.object_uid and obj.uid != claim.object_uid):
+        desired = desired_claim_status(claim, None, None, now)
+    else:
+        verdict = ledger.source_verdict(obj)
+        if verdict.unknown:
+            return [*actions, LookupPod(obj.namespace, obj.source_pod)]
+        desired = desired_claim_status(claim, obj, verdict, now)
+    if _status_differs(claim.status, desired):
+        actions.append(PatchClaimStatus(claim.key, desired))
+    return actions
+
+
+def decide_stream(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
+    """What must happen for this stream now: its counters, or, once deleted, its items and then itself."""
+    stream = ledger.streams.get(key)
+    if stream is None or not ledger.synced:
+        return []
+    items = ledger.stream_items(key)
+    if stream.deleting:
+        if not stream.finalized:
+            return []
+        # Items first: each goes through the normal free path (and waits for its claims).
+        live = [i for i in items if not i.deleting]
+        if live:
+            return [DeleteObject(i.key, i.uid, "StreamDeleted", f"stream {stream.name} was deleted") for i in live]
+        if items:
+            return []  # wait for the items' frees
+        producer = ledger.pods.get((stream.namespace, stream.producer_pod))
+        endpoint = producer.endpoint if producer and not producer.terminated else None
+        return [FinishStream(stream.key, stream.uid, endpoint, producer.uid if endpoint and producer else "")]
+    desired = desired_stream_status(stream, items)
+    current = {k: stream.status.get(k) for k in desired}
+    if current != desired:
+        return [PatchStreamStatus(stream.key, desired)]
+    return []
+
+
+_DECIDERS: dict[str, Callable[[Ledger, Key, dt.datetime], list[Action]]] = {
+    "object": decide_object,
+    "claim": decide_claim,
+    "stream": decide_stream,
+}
+
+
+def decide(ledger: Ledger, kind: str, key: Key, now: dt.datetime) -> list[Action]:
+    """The actions for one work item of the queue (kind, key)."""
+    try:
+        decider = _DECIDERS[kind]
+    except KeyError:
+        raise ValueError(f"unknown kind {kind!r}") from None
+    return decider(ledger, key, now)
+
+
+def _status_differs(current: dict, desired: dict) -> bool:
+    """Compare what we would write with what is there, ignoring keys we do not manage."""
+    return any(current.get(k) != v for k, v in desired.items())
