@@ -3,15 +3,15 @@
 Two processes: a source agent (a `gpuobj_dev.testing.agent_workload` workload process holding the
 objects) and this process, which runs an embedded agent and reads from the source.
 For each size it measures, all between the same two processes:
-- torch copy: `dst.copy_(src)` in this process, the memory-bandwidth ceiling;
+- torch copy: `dst.copy_(src)` in this process on one thread (a one-thread memcpy);
 - raw NIXL: the source's descriptors loaded once, destination registered once, one
   READ re-posted back to back (the best NIXL can do, no control plane at all);
 - fetch: `AgentRuntime.fetch` (read ticket over HTTP, metadata load, a landing buffer,
   READ, ticket end): one at a time, and 4 in flight;
 - grant: `AgentRuntime.fetch_granted_direct` with a cached read grant (what a hand-off
   carries): no request, no thread hop, a landing buffer, READ;
-torch copy, raw NIXL and fetch are measured in alternating bursts (median of --rounds),
-so noise from other work on the machine hits all three alike.
+All methods are measured in alternating bursts of 50 ms (median over every burst of --rounds
+rounds), so noise from other work on the machine hits all of them alike.
 - Ray RDT (actor to actor, tensor_transport="nixl"), if `ray` is importable.
 Target: fetch at least 90% of raw NIXL from 1 MiB up.
 
@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from gpuobj_agent.config import AgentConfig
@@ -41,6 +42,7 @@ from gpuobj_agent.runtime import AgentRuntime
 from gpuobj_dev.testing.agent_workload import AgentProcess
 from gpuobj_dev.testing.issuer import OPERATOR, default_issuer
 
+BURST_SECONDS = 0.05  # methods alternate in bursts this long (a call longer than that is a burst of 2)
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "B": 1}
 
 
@@ -77,11 +79,16 @@ def interleaved(
     so the ratios hold even when absolute numbers wander. `prepare` runs before each round.
     """
     samples: dict[str, list[float]] = {name: [] for name in methods}
+    share = seconds / rounds  # per method and round
+    burst = min(BURST_SECONDS, share)
     for _ in range(rounds):
         if prepare is not None:
             prepare()
-        for name, fn in methods.items():
-            samples[name].append(timed(fn, seconds / rounds, min_iters=2))
+        spent = 0.0
+        while spent < share:  # short bursts, methods alternating: a load spike hits a few bursts of each
+            for name, fn in methods.items():
+                samples[name].append(timed(fn, burst, min_iters=2))
+            spent += burst
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -98,7 +105,9 @@ class RawNixl:
         self.src, self.oid = src, oid
         self.agent = NixlAgent(f"bench-raw-{oid}", progress_thread=False)
         self.impl = self.agent._a()
-        self.dst = torch.empty(nbytes, dtype=torch.uint8)
+        # Allocated as the agent's landing buffers are (numpy: huge pages from 4 MiB; pre-faulted).
+        self.dst = torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
+        self.dst.fill_(0)
         self.reg = self.impl.register_memory(self.dst)
         self.ticket: dict | None = None
         self.handle = None
@@ -136,6 +145,64 @@ class RawNixl:
         self.impl.deregister_memory(self.reg)
         self.src.request("DELETE", f"/v1/reads/{self.ticket['readId']}")
         self.agent.close()
+
+
+def breakdown(
+    rt: AgentRuntime, endpoint: str, oid: str, grant: dict, raw: RawNixl, n: int = 2000, rounds: int = 25
+) -> None:
+    """Per-step time of one granted fetch on the prepared path, each step timed alone in interleaved
+    rounds of n calls (median over the rounds).
+
+    The steps are what `Fetcher.fetch_granted_direct` does per call once the grant is cached and its
+    READ prepared; "rest" is the total minus their sum: Python calls and attribute lookups between them.
+    """
+    fetcher = rt.agent.fetcher
+    assert fetcher is not None
+    rt.fetch_granted_direct(endpoint, oid, grant)
+    entry = fetcher._entry(endpoint, grant)
+    if not entry.slots:
+        print("  (no prepared read for this grant: breakdown skipped)")
+        return
+    slot, lock, reader = entry.slots[0], fetcher._direct_lock, fetcher.reader
+
+    def take() -> None:
+        with lock:
+            slot.bound.busy()
+
+    steps = {
+        "grant lookup (parsed once, by id)": lambda: fetcher._entry(endpoint, grant),
+        "take a free slot (lock, storage use count)": take,
+        "NIXL re-post + poll (prepared READ)": lambda: reader.repost(slot.xfer, time.monotonic() + 5),
+        "new tensors over the landing buffer (detach)": slot.bound.hand_out,
+        "metrics (bytes counter, latency histogram)": lambda: (
+            fetcher._in_bytes.inc(entry.nbytes),
+            fetcher._in_seconds.observe(1e-5),
+        ),
+        "two clock reads": lambda: (time.monotonic(), time.monotonic()),
+    }
+
+    methods: dict[str, Callable[[], object]] = {
+        "raw": raw,
+        "total": lambda: rt.fetch_granted_direct(endpoint, oid, grant),
+        **steps,
+    }
+    samples: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(rounds):  # interleaved, so a load spike hits every step alike
+        for name, fn in methods.items():
+            fn()
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            samples[name].append((time.perf_counter() - start) / n * 1e6)
+    us = {name: statistics.median(v) for name, v in samples.items()}
+    raw_us, total = us.pop("raw"), us.pop("total")
+    parts = us
+    print(f"\nper-step time of a {label(entry.nbytes)} granted fetch, us (load {os.getloadavg()[0]:.2f}):")
+    print(f"  {'raw NIXL READ (re-post + poll)':46s} {raw_us:6.2f}")
+    print(f"  {'granted fetch, total':46s} {total:6.2f}  ({total / raw_us:.2f}x raw)")
+    for name, us in parts.items():
+        print(f"    {name:44s} {us:6.2f}")
+    print(f"    {'rest (calls between the steps)':44s} {total - sum(parts.values()):6.2f}")
 
 
 def copier(nbytes: int) -> Callable[[], object]:
@@ -202,10 +269,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="4KiB,1MiB,64MiB,256MiB")
     parser.add_argument("--seconds", type=float, default=2.0, help="time per method and size")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating bursts per size (median taken)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of 50 ms bursts per size")
     parser.add_argument("--no-ray", action="store_true")
+    parser.add_argument(
+        "--thp", action="store_true", help="the source allocates with transparent huge pages (THP_MEM_ALLOC_ENABLE=1)"
+    )
+    parser.add_argument("--breakdown", action="store_true", help="per-step time of a granted fetch (smallest size)")
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    torch.set_num_threads(1)  # the copy column is a one-thread memcpy (the same-node reference)
+    load_start = os.getloadavg()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("nixl").setLevel(logging.WARNING)
 
@@ -215,9 +288,10 @@ def main(argv: list[str] | None = None) -> int:
         # Two processes of one user on one node, compared with a raw NIXL READ between the same two: a
         # single-tenant setting, so UCX's cma (unbounded by registrations, off by default) is allowed
         # explicitly, as the raw READ uses it too (docs/security.md).
-        src = AgentProcess(
-            "bench-src", workload=True, workdir=tmp, issuer=issuer, env={"GPUOBJ_ALLOW_CMA": "true"}
-        ).start()
+        # --thp: torch's CPU allocator madvises huge pages for the source's tensors. A cma READ pins the
+        # source's pages one by one; with 2 MiB pages it runs at 2-3x the speed (bench/README.md).
+        env = {"GPUOBJ_ALLOW_CMA": "true", **({"THP_MEM_ALLOC_ENABLE": "1"} if args.thp else {})}
+        src = AgentProcess("bench-src", workload=True, workdir=tmp, issuer=issuer, env=env).start()
         reader_token = issuer.token(f"{src.namespace}/default", pod=("bench-dst", "bench-dst-uid"))
         token_file.write_text(reader_token)
         try:
@@ -270,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                         args.rounds,
                         prepare=regrant,
                     )
+                    if args.breakdown and nbytes == min(sizes):
+                        breakdown(rt, src.endpoint, oid, grant[0], raw)
                 finally:
                     raw.close()
                 par = fetch_parallel(rt, src, oid, nbytes, args.seconds, reader_token)
@@ -283,9 +359,11 @@ def main(argv: list[str] | None = None) -> int:
             src.close()
         ray = ray_rdt(sizes, args.seconds) if not args.no_ray else "skipped (--no-ray)"
 
+    load_end = os.getloadavg()
     print(
         f"\nfetch throughput, GB/s (1 GB = 1e9 B), two processes on {os.cpu_count()} CPUs, "
-        f"UCX_TLS={os.environ.get('UCX_TLS', 'default')}"
+        f"UCX_TLS={os.environ.get('UCX_TLS', 'default')}, source THP {'on' if args.thp else 'off'}; load (1/5/15 min) "
+        f"{'/'.join(f'{v:.2f}' for v in load_start)} at start, {'/'.join(f'{v:.2f}' for v in load_end)} at end"
     )
     head = (
         f"{'size':>8} | {'torch copy':>10} | {'raw NIXL':>8} | {'raw us':>7} | {'raw/copy':>8} | {'fetch':>7} | "

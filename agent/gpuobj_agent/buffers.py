@@ -9,6 +9,11 @@ tensors are views of one buffer; when the last of them (and every view of them) 
 garbage, the buffer returns to the pool. Idle buffers are bounded (`max_idle_bytes`,
 oldest evicted first) and trimmed after `idle_seconds`, each deregistered before it is
 dropped, so the pool never grows without bound and registrations always balance.
+
+A buffer can also be *bound* to a prepared read (fetch.py): it then lands every fetch of one
+object in the same memory, and each fetch hands out new tensor objects over it (`Bound`). Whether
+the last fetch's tensors are still alive is read from the storage's use count, so a buffer whose
+tensors someone still holds is never landed in again.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,6 +48,16 @@ def _round(nbytes: int) -> int:
     return (nbytes + step - 1) // step * step
 
 
+def _use_count_fn() -> Callable[[int], int] | None:
+    """torch's count of references to a storage (every tensor or view over it holds one), if it has one."""
+    fn = getattr(torch._C, "_storage_Use_Count", None)
+    return fn if callable(fn) else None
+
+
+_use_count = _use_count_fn()
+BINDABLE = _use_count is not None  # without it, prepared reads are off (fetches carve instead)
+
+
 @dataclass(eq=False)
 class Buffer:
     array: np.ndarray
@@ -52,6 +67,42 @@ class Buffer:
     @property
     def capacity(self) -> int:
         return int(self.array.nbytes)
+
+
+class Bound:
+    """A landing buffer held for one object's prepared read: the same bytes every fetch, new tensors each time.
+
+    `hand_out` returns new tensor objects (views of templates made once: a `detach` costs a third
+    of a microsecond, carving a buffer several). The buffer is `busy` while any tensor handed out,
+    or any view of one, is alive: torch counts the references to a storage, and here only the
+    templates hold it otherwise. A busy buffer is never landed in: its holder's bytes stay theirs.
+    """
+
+    def __init__(self, buf: Buffer, layouts: Sequence[TensorLayout]) -> None:
+        assert _use_count is not None
+        offsets, total = LandingPool.plan(layouts)
+        self.buf = buf
+        self.layouts = tuple(layouts)
+        whole = torch.from_numpy(buf.array[:total])
+        self.whole = whole  # the whole buffer as one tensor (what a stuck READ keeps alive)
+        self._templates = [
+            whole[off : off + la.nbytes].view(torch_dtype(la)).view(la.shape)
+            if la.nbytes
+            else allocate(la, device="cpu")
+            for la, off in zip(layouts, offsets, strict=True)
+        ]
+        self.tensors = self._templates  # where a READ lands (registered memory)
+        self._cdata = whole.untyped_storage()._cdata
+        self._idle = _use_count(self._cdata)  # the base and the templates
+        self.released = False  # unbound while busy: back to the pool once its tensors die
+        self.used = time.monotonic()
+
+    def busy(self) -> bool:
+        return _use_count(self._cdata) != self._idle  # type: ignore[misc]
+
+    def hand_out(self) -> list[torch.Tensor]:
+        self.used = time.monotonic()
+        return [t.detach() for t in self._templates]
 
 
 class LandingPool:
@@ -66,7 +117,9 @@ class LandingPool:
         self._all: set[Buffer] = set()
         self._idle_bytes = 0
         self._closed = False
-        self.in_use = 0
+        self._carved = 0  # buffers whose carved tensors are alive
+        self._bound: set[Bound] = set()  # buffers held by prepared reads
+        self.on_trim: list[Callable[[float], None]] = []  # run first in trim (the fetcher lets idle reads go)
         self.registrations = 0
         self.deregistrations = 0
 
@@ -96,7 +149,36 @@ class LandingPool:
         weakref.finalize(view, self._give_back, buf)
         return tensors, buf
 
-    def _take(self, nbytes: int) -> Buffer:
+    @property
+    def in_use(self) -> int:
+        """Buffers whose fetched tensors (or views of them) are alive: carved or bound."""
+        with self._lock:
+            bound = list(self._bound)
+        return self._carved + sum(1 for b in bound if b.busy())
+
+    def bind(self, layouts: Sequence[TensorLayout]) -> Bound:
+        """A buffer for a prepared read of these layouts; it stays out of the pool until `unbind`."""
+        self._reclaim()
+        _, total = self.plan(layouts)
+        buf = self._take(max(total, 1), carved=False)
+        bound = Bound(buf, layouts)
+        with self._lock:
+            self._bound.add(bound)
+        return bound
+
+    def unbind(self, bound: Bound) -> None:
+        """The prepared read is gone: the buffer returns to the pool now, or once its tensors die."""
+        bound.released = True
+        self._reclaim()
+
+    def _reclaim(self) -> None:
+        with self._lock:
+            done = [b for b in self._bound if b.released and not b.busy()]
+            self._bound.difference_update(done)
+        for b in done:
+            self._give_back(b.buf, carved=False)
+
+    def _take(self, nbytes: int, carved: bool = True) -> Buffer:
         with self._lock:
             best = None
             for buf in self._idle:  # smallest idle buffer that fits, at most twice the size asked
@@ -107,7 +189,7 @@ class LandingPool:
             if best is not None:
                 self._idle.remove(best)
                 self._idle_bytes -= best.capacity
-                self.in_use += 1
+                self._carved += carved
                 return best
         capacity = _round(nbytes)
         raw = np.empty(capacity + ALIGN, dtype=np.uint8)
@@ -120,14 +202,14 @@ class LandingPool:
         buf = Buffer(array, key)
         with self._lock:
             self.registrations += 1
-            self.in_use += 1
+            self._carved += carved
             self._all.add(buf)
         return buf
 
-    def _give_back(self, buf: Buffer) -> None:
+    def _give_back(self, buf: Buffer, carved: bool = True) -> None:
         evict: list[Buffer] = []
         with self._lock:
-            self.in_use -= 1
+            self._carved -= carved
             if not self._closed:
                 buf.idle_since = time.monotonic()
                 self._idle.append(buf)
@@ -142,6 +224,9 @@ class LandingPool:
     def trim(self, now: float | None = None) -> int:
         """Drop buffers idle longer than `idle_seconds`; returns how many."""
         now = time.monotonic() if now is None else now
+        for hook in list(self.on_trim):
+            hook(now)
+        self._reclaim()
         with self._lock:
             old = [b for b in self._idle if now - b.idle_since > self.idle_seconds]
             for b in old:
@@ -155,6 +240,7 @@ class LandingPool:
         memory (it is numpy's); it just is no longer registered, and is freed when they die."""
         with self._lock:
             self._closed = True
+            self._bound.clear()
             everything = list(self._all)
             self._idle, self._idle_bytes = [], 0
         self._drop(everything)

@@ -280,6 +280,43 @@ class NixlAgent:
         finally:
             self._deregister_local(regs)
 
+    # -- prepared reads: created once, re-posted per fetch ------------------------------
+    def prepare_read(self, remote_agent: str, remote: Sequence[Span], local: Sequence[Span]) -> object | None:
+        """A READ of `remote` into registered `local` memory, created once to be re-posted (`repost`).
+
+        Why: creating, posting and releasing a transfer per fetch is most of a small fetch's time
+        (descriptor lists built in Python, NIXL's checks and backend preparation per request). A
+        request re-posted reads the same remote bytes into the same local bytes again; the caller
+        owns keeping those local bytes free for it and releasing it (`release_prepared`) before the
+        local memory is deregistered or the remote agent forgotten. None when the spans mix memory
+        types (one request cannot carry them): the caller reads the ordinary way.
+        """
+        if not remote or len({r.mem for r in remote}) != 1 or len({m.mem for m in local}) != 1:
+            return None
+        bind = nixl_api().nixlBind
+        segs = {"DRAM": bind.DRAM_SEG, "VRAM": bind.VRAM_SEG}
+        ldl = bind.nixlXferDList(segs[local[0].mem], [(m.addr, m.nbytes, m.dev) for m in local])
+        rdl = bind.nixlXferDList(segs[remote[0].mem], [(r.addr, r.nbytes, r.dev) for r in remote])
+        try:
+            return self._a().initialize_xfer("READ", ldl, rdl, remote_agent)
+        except Exception as exc:
+            raise TransportError(f"preparing a NIXL read from {remote_agent} failed: {nixl_error_name(exc)}") from exc
+
+    def repost(self, handle: object, deadline: float, abort: threading.Event | None = None) -> None:
+        """Post a prepared READ again and wait for it (TransportError on error, timeout or abort)."""
+        try:
+            state = self._a().transfer(handle)
+            if state != "DONE":
+                self._wait([handle], [state], deadline, abort)
+        except TransportError:
+            raise
+        except Exception as exc:
+            raise TransportError(f"NIXL read failed: {nixl_error_name(exc)}") from exc
+
+    def release_prepared(self, handle: object, keep: Sequence[torch.Tensor]) -> None:
+        """Release a prepared READ; one NIXL cannot release yet keeps `keep` (its local memory) alive."""
+        self._release([handle], keep)
+
     def _transfer(
         self,
         remote_agent: str,

@@ -220,3 +220,100 @@ class Inventory:
             incarnation=str(data.get("incarnation", "")),
             objects=tuple(InventoryItem.from_json(o) for o in data.get("objects", [])),
         )
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """BEGIN_READ's body. `reader` is informational: the verified token names the reader."""
+
+    reader: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"reader": self.reader}
+
+
+MEMORY_TYPES = ("DRAM", "VRAM")
+
+
+@dataclass(frozen=True)
+class ReadSpan:
+    """The bytes of one tensor as NIXL addresses them: memory type, device, address, length."""
+
+    mem: str
+    dev: int
+    addr: int
+    nbytes: int
+
+    @classmethod
+    def from_json(cls, item: Any) -> ReadSpan | None:
+        """A `[mem, dev, addr, nbytes]` list, or None for a tensor with no bytes; ValueError if malformed."""
+        if item is None:
+            return None
+        if (
+            not isinstance(item, list)
+            or len(item) != 4
+            or item[0] not in MEMORY_TYPES
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in item[1:])
+        ):
+            raise ValueError(f"malformed span {item!r}")
+        return cls(item[0], item[1], item[2], item[3])
+
+    def to_json(self) -> list:
+        return [self.mem, self.dev, self.addr, self.nbytes]
+
+
+@dataclass(frozen=True)
+class ReadTicket:
+    """What a reader needs to READ an object: BEGIN_READ's answer (a ticket, with `read_id` and a lease)
+    or a read grant a hand-off carries (the same shape with neither; it adds `generation`).
+
+    `agent_metadata` is base64 of the NIXL partial metadata of the object's registration (empty when
+    no tensor has bytes); `spans` and `tensors` pair up one to one.
+    """
+
+    nixl_agent: str
+    agent_metadata: str
+    spans: tuple[ReadSpan | None, ...]
+    tensors: tuple[TensorLayout, ...]
+    nbytes: int = 0
+    live_agents: tuple[str, ...] = ()
+    incarnation: str = ""
+    read_id: str = ""
+    lease_seconds: float = 0.0
+    descriptors: str | None = None
+    generation: int | None = None
+
+    @classmethod
+    def from_json(cls, data: Any) -> ReadTicket:
+        """Parse and check a ticket or grant; ValueError (LayoutError for a layout) names what is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError("expected an object")
+        try:
+            tensors = tuple(TensorLayout.from_json(t, "tensors[]") for t in data["tensors"])
+            spans = tuple(ReadSpan.from_json(s) for s in data["spans"])
+            agent = data["nixlAgent"]
+            metadata = data.get("agentMetadata") or ""
+            live = tuple(str(n) for n in data.get("liveAgents") or ())
+            ticket = cls(
+                nixl_agent=agent,
+                agent_metadata=metadata,
+                spans=spans,
+                tensors=tensors,
+                nbytes=int(data.get("bytes", 0)),
+                live_agents=live,
+                incarnation=str(data.get("incarnation") or ""),
+                read_id=str(data.get("readId") or ""),
+                lease_seconds=float(data.get("leaseSeconds") or 0),
+                descriptors=data.get("descriptors"),
+                generation=data.get("generation"),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"missing or mistyped field {exc}") from None
+        if not isinstance(agent, str) or not isinstance(metadata, str):
+            raise ValueError("nixlAgent and agentMetadata must be strings")
+        if len(spans) != len(tensors):
+            raise ValueError(f"{len(spans)} spans for {len(tensors)} tensors")
+        for span, layout in zip(spans, tensors, strict=True):
+            if span is not None and span.nbytes != layout.nbytes:
+                raise ValueError(f"a span of {span.nbytes} bytes for a {layout.nbytes}-byte tensor")
+        return ticket

@@ -67,3 +67,31 @@ def test_closing_deregisters_buffers_still_in_use_and_their_tensors_stay_valid(a
     del t
     gc.collect()
     assert pool.in_use == 0
+
+
+def test_a_bound_buffer_hands_out_new_tensors_and_is_busy_while_any_of_them_lives(agent):
+    pool = LandingPool(agent, max_idle_bytes=1 << 30)
+    layouts = [TensorLayout((4, 4), "float32", "cpu"), TensorLayout((0,), "int8", "cpu")]
+    bound = pool.bind(layouts)
+    assert not bound.busy() and pool.in_use == 0  # bound, but nothing handed out is alive
+    first = bound.hand_out()
+    assert [layout_of(t) for t in first] == layouts and first[0] is not bound.tensors[0]
+    assert first[0].data_ptr() == bound.tensors[0].data_ptr()  # the same landing memory
+    assert bound.busy() and pool.in_use == 1
+    view = first[0][1:]
+    del first
+    assert bound.busy()  # a view keeps it busy
+    arr = view.numpy()
+    del view
+    assert bound.busy()  # so does a numpy array over one
+    del arr
+    assert not bound.busy() and pool.in_use == 0
+
+    held = bound.hand_out()
+    pool.unbind(bound)  # its prepared read is gone, but its tensors live: not back in the pool yet
+    assert pool.idle_bytes == 0 and pool.in_use == 1
+    del held
+    pool.trim(now=0.0)  # a reclaim pass (trims nothing idle this early)
+    assert pool.idle_bytes == bound.buf.capacity and pool.in_use == 0
+    pool.close()
+    assert pool.registrations == pool.deregistrations == 1

@@ -79,3 +79,57 @@ def test_materialize_names_the_namespaces_it_shares_with_and_answers_the_holding
     answer = api.MaterializeAnswer(created=True, id="o-1", bytes=2, incarnation="i-7")
     assert api.MaterializeAnswer.from_json({**answer.to_json(), "tensors": [], "createdAt": "x"}) == answer
     assert api.MaterializeAnswer.from_json({"created": False}).incarnation == ""  # an older agent: unknown
+
+
+def _ticket(**overrides: object) -> dict:
+    data = {
+        "readId": "r-1",
+        "nixlAgent": "src-g1",
+        "agentMetadata": "bWQ=",
+        "descriptors": "ZA==",
+        "spans": [["DRAM", 0, 4096, 64], None],
+        "tensors": [
+            {"shape": [4, 4], "dtype": "float32", "device": "cpu"},
+            {"shape": [0], "dtype": "int8", "device": "cpu"},
+        ],
+        "bytes": 64,
+        "leaseSeconds": 2.5,
+        "liveAgents": ["src-g1", "src-g2"],
+        "incarnation": "i1",
+        "futureField": True,
+    }
+    data.update(overrides)
+    return data
+
+
+def test_a_read_ticket_and_a_grant_parse_into_one_shape() -> None:
+    ticket = api.ReadTicket.from_json(_ticket())
+    assert ticket.read_id == "r-1" and ticket.lease_seconds == 2.5 and ticket.nixl_agent == "src-g1"
+    assert ticket.spans == (api.ReadSpan("DRAM", 0, 4096, 64), None)
+    assert ticket.tensors[0] == TensorLayout((4, 4), "float32", "cpu") and ticket.live_agents == ("src-g1", "src-g2")
+    grant = _ticket(generation=3)
+    del grant["readId"], grant["leaseSeconds"]
+    parsed = api.ReadTicket.from_json(grant)
+    assert (parsed.read_id, parsed.lease_seconds, parsed.generation) == ("", 0.0, 3)
+    assert api.ReadRequest("pod-a").to_json() == {"reader": "pod-a"}
+    assert api.ReadSpan.from_json(["VRAM", 1, 0, 8]).to_json() == ["VRAM", 1, 0, 8]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"spans": [["DRAM", 0, 4096, 65], None]},  # a span that does not cover its tensor exactly
+        {"spans": [["DRAM", 0, 4096, 64]]},  # fewer spans than tensors
+        {"spans": [["HBM", 0, 4096, 64], None]},
+        {"spans": [["DRAM", 0, -1, 64], None]},
+        {"spans": [["DRAM", True, 4096, 64], None]},
+        {"nixlAgent": 7},
+        {"tensors": [{"shape": [4, 4], "dtype": "float99"}, {"shape": [0], "dtype": "int8"}]},
+        {"spans": None},
+    ],
+)
+def test_a_malformed_read_ticket_is_a_value_error(overrides: dict) -> None:
+    with pytest.raises(ValueError):
+        api.ReadTicket.from_json(_ticket(**overrides))
+    with pytest.raises(ValueError):
+        api.ReadTicket.from_json([])
