@@ -351,6 +351,7 @@ class Reconciler:
             return  # a claim the ledger has not seen yet holds it
         if current is not None and self.ledger.live_claims(current):
             return  # the ledger learned of a claim since it decided; it decides again
+        self._must_lead()  # again: the check may have waited (a read of claims, tens of ms)
         checked = time.monotonic()
         # 2. Free on the source agent (idempotent there). Monotonic stamps (one clock per machine) say
         # where a free's time goes: bench/lifecycle.py reads them.
