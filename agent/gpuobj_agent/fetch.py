@@ -93,67 +93,6 @@ class _GrantEntry:
     slots: list[_Slot] = field(default_factory=list)
 
 
-# Prepared reads (see `_GrantEntry`): for objects up to PREPARED_MAX_BYTES, at most PREPARED_SLOTS per
-# grant (fetches whose tensors are all still held beyond that read the ordinary way), and at most
-# PREPARED_BUDGET bytes of landing memory bound to them in all. Above the size the per-fetch work is
-# noise next to the READ; idle ones go after PREPARED_IDLE seconds (the pool's trim).
-PREPARED_MAX_BYTES = 16 << 20
-PREPARED_SLOTS = 4
-PREPARED_BUDGET = 128 << 20
-PREPARED_IDLE = 30.0
-
-
-@dataclass(eq=False)
-class _Slot:
-    """One prepared READ into one bound landing buffer."""
-
-    bound: Bound
-    xfer: object
-    posting: bool = True  # a fetch is reading into it (taken by its creator first)
-    doomed: bool = False  # its remote agent was forgotten while it was posting: drop after
-
-
-@dataclass(eq=False)
-class _GrantEntry:
-    """A read grant parsed once (a handle reads with the same grant dict again and again), and its
-    prepared reads.
-
-    Why prepared reads: building two descriptor lists, creating, posting and releasing a NIXL
-    transfer and carving a landing buffer per fetch took 15-30 us of Python, against a 3-5 us raw
-    READ at 4 KiB. A prepared read is created once per (grant, landing buffer) and re-posted; the
-    buffer is bound to it, and a fetch takes a slot only while no tensor of its last fetch is alive
-    (buffers.Bound), so what a caller holds is never overwritten. A slot is dropped (the NIXL
-    request released first, then the buffer unbound) when its read fails, its remote agent is
-    forgotten (retired, source gone), the grant leaves the cache, it idles, or the fetcher closes.
-    Only a grant read a second time gets one: a one-shot hand-off reads the ordinary way and binds
-    nothing (its entry would otherwise hold a buffer until it idles out).
-    """
-
-    grant: dict[str, Any]
-    layouts: list[TensorLayout]
-    spans: list[Span | None]
-    agent: str
-    metadata: bytes
-    nbytes: int
-    md_hash: int | None
-    preparable: bool
-    read_before: bool = False  # prepared from the second read on
-    slots: list[_Slot] = field(default_factory=list)
-
-
-def _span(item: Any) -> Span | None:
-    if item is None:
-        return None
-    if (
-        not isinstance(item, list)
-        or len(item) != 4
-        or item[0] not in ("DRAM", "VRAM")
-        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in item[1:])
-    ):
-        raise FetchError(f"source sent a malformed span {item!r}")
-    return Span(item[0], item[1], item[2], item[3])
-
-
 class Fetcher:
     """One reader NIXL agent, an HTTP session, and the cache of sources' NIXL agents."""
 
