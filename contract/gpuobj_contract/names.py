@@ -31,6 +31,7 @@ ANNOTATION_AGENT_PORT = f"{GROUP}/agent-port"
 ANNOTATION_AGENT_HOST = f"{GROUP}/agent-host"  # overrides status.podIP (dev cluster: no kubelet, no pod network)
 ANNOTATION_SHARED_BY = f"{GROUP}/shared-by"  # on a claim made for a receiver: the sharing (source) pod
 ANNOTATION_SOURCE_ENDPOINT = f"{GROUP}/source-endpoint"  # the source agent, as the client library saw it
+ANNOTATION_STREAM_END = f"{GROUP}/stream-end"  # on a stream: readers stop before this item index
 
 # Agent defaults.
 AGENT_PORT_NAME = "gpuobj-agent"

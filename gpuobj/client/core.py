@@ -43,7 +43,6 @@ POD_UID_TTL = 30.0
 # (it probes agents every second or so), so the reader gets ObjectLostError, as for a deleted pod.
 LOST_WAIT = 5.0
 HANDOFF_RELEASE_TIMEOUT = 5.0
-ANNOTATION_STREAM_END = f"{names.GROUP}/stream-end"
 
 
 def _short_id() -> str:
@@ -545,7 +544,7 @@ class ClientCore:
     async def end_stream(self, name: str, end: int) -> None:
         """Mark the end: readers stop after item `end - 1`."""
         await self.kube.patch(
-            STREAMS, name, {"metadata": {"annotations": {ANNOTATION_STREAM_END: str(end)}}}, self.namespace
+            STREAMS, name, {"metadata": {"annotations": {names.ANNOTATION_STREAM_END: str(end)}}}, self.namespace
         )
 
     async def advance_stream(self, name: str, consumed: int) -> None:
