@@ -14,7 +14,6 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
-from gpuobj.client.core import ANNOTATION_STREAM_END
 from gpuobj.client.errors import StreamClosedError
 from gpuobj.client.handles import ObjectAddress
 from gpuobj_contract import names
@@ -112,7 +111,7 @@ class StreamReader:
         def on_stream(obj: dict, deleted: bool) -> None:
             if deleted or obj["metadata"].get("deletionTimestamp"):
                 self._gone = f"stream {self.core.namespace}/{self.name} was deleted"
-            end = (obj["metadata"].get("annotations") or {}).get(ANNOTATION_STREAM_END)
+            end = (obj["metadata"].get("annotations") or {}).get(names.ANNOTATION_STREAM_END)
             self._end = int(end) if end is not None else None
             self._changed.set()
 
