@@ -287,10 +287,11 @@ class Chaos:
             out.seconds = time.monotonic() - last
         except AssertionError as exc:
             out.note = str(exc)
-        out.counters = self._check_counters(fault, point, before, pid_before)
         if fault == "apiserver-restart" and alive["src"] and out.cleaned:
             # What became of the put made during the outage: its create lands once the API server is back,
             # even through the 403s a just-restarted API server answers (write-behind FORBIDDEN_GRACE).
+            # Released and gone within this lifecycle (whose counters are not checked: an outage), so that
+            # its free counts in no other lifecycle and nothing of it is left at quiescence.
             src.run(
                 "if outage_ref is not None:\n"
                 "    try:\n"
@@ -304,6 +305,10 @@ class Chaos:
                 timeout=90,
             )
             out.note = f"put during outage: {src.eval('outage_put')}"
+            wait_until(
+                lambda: self.api_records("during-outage") == ([], []), "the outage put freed", CLEAN_TIMEOUT, 0.05
+            )
+        out.counters = self._check_counters(fault, point, before, pid_before)
         return out
 
     def _inject(
