@@ -32,6 +32,16 @@ async def _put_and_delete(cluster: ClusterHandle, namespace: str, name: str, pod
         await wait_for(kube, GPUOBJECTS, name, namespace, lambda o: o is None, timeout=30)
 
 
+def _source_pod_uid(cluster: ClusterHandle, namespace: str) -> str:
+    """A labelled agent pod "src" whose agent nothing listens for (port 1): frees answer agent-gone."""
+
+    async def make() -> str:
+        async with cluster.client() as kube:
+            return (await create_agent_pod(kube, namespace, "src", port=1))["metadata"]["uid"]
+
+    return asyncio.run(make())
+
+
 def _freed_by(cluster: ClusterHandle, namespace: str, name: str) -> str:
     events = json.loads(cluster.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
     # "Freed" (free answered agent-gone) or "Released" (the probes had already found no agent listening).
@@ -42,11 +52,7 @@ def _freed_by(cluster: ClusterHandle, namespace: str, name: str) -> str:
 def test_second_replica_waits_and_takes_over_when_the_leader_dies(
     gpuobj_cluster: ClusterHandle, token_file: Path, namespace: str
 ) -> None:
-    async def make_pod() -> str:
-        async with gpuobj_cluster.client() as kube:
-            return (await create_agent_pod(kube, namespace, "src", port=1))["metadata"]["uid"]
-
-    pod_uid = asyncio.run(make_pod())
+    pod_uid = _source_pod_uid(gpuobj_cluster, namespace)
     # A lease long enough that a loaded two-core machine never misses a renewal.
     lease = ["--lease-seconds", "10"]
     leader = start_operator(gpuobj_cluster, token_file, namespace, identity="op-a", extra=lease).wait_ready()
@@ -83,11 +89,7 @@ def _terms(op) -> int:
 def test_a_leader_that_loses_its_lease_in_an_api_outage_stays_up_and_leads_again(
     gpuobj_cluster: ClusterHandle, token_file: Path, namespace: str
 ) -> None:
-    async def make_pod() -> str:
-        async with gpuobj_cluster.client() as kube:
-            return (await create_agent_pod(kube, namespace, "src", port=1))["metadata"]["uid"]
-
-    pod_uid = asyncio.run(make_pod())
+    pod_uid = _source_pod_uid(gpuobj_cluster, namespace)
     op = start_operator(gpuobj_cluster, token_file, namespace, identity="op-a").wait_ready()  # 3 s lease
     try:
         asyncio.run(_put_and_delete(gpuobj_cluster, namespace, "before", pod_uid))
@@ -112,15 +114,11 @@ def test_a_leader_that_loses_its_lease_in_an_api_outage_stays_up_and_leads_again
 def test_a_paused_leader_replaced_by_another_stands_by_and_leads_again_when_that_one_goes(
     gpuobj_cluster: ClusterHandle, token_file: Path, namespace: str
 ) -> None:
-    async def make_pod() -> str:
-        async with gpuobj_cluster.client() as kube:
-            return (await create_agent_pod(kube, namespace, "src", port=1))["metadata"]["uid"]
-
     async def holder() -> str:
         async with gpuobj_cluster.client() as kube:
             return (await kube.get(LEASES, "gpuobj-operator", namespace))["spec"]["holderIdentity"]
 
-    pod_uid = asyncio.run(make_pod())
+    pod_uid = _source_pod_uid(gpuobj_cluster, namespace)
     lease = ["--lease-seconds", "4"]
     a = start_operator(gpuobj_cluster, token_file, namespace, identity="op-a", extra=lease).wait_ready()
     b = start_operator(gpuobj_cluster, token_file, namespace, identity="op-b", extra=lease)
