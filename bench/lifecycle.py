@@ -68,6 +68,16 @@ def load() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def cpu_busy() -> tuple[float, float]:
+    """Seconds the machine's CPUs were busy and in all, since boot (/proc/stat): how much of the
+    machine one pair keeps busy bounds what more pairs can add on it."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / tick, sum(fields[:8]) / tick
+
+
 def cycles_for(size: int, base: int) -> int:
     return base if size <= SMALL else max(20, base // 5)
 
@@ -506,9 +516,11 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
             row = {}
             for policy in ("persistent", "fresh"):
                 before = request_counts(handle)
+                busy0, all0 = cpu_busy()
                 rate, lat, breakdown = src.eval(
                     f"cycles({size}, {n}, {policy == 'fresh'}, {rname!r}, {ruid!r})", timeout=1800
                 )
+                busy1, all1 = cpu_busy()
                 src.run("client.flush()")
                 sent = delta(request_counts(handle), before)
                 row[policy] = {
@@ -517,6 +529,9 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
                     "writes_per_cycle": writes(sent) / n,
                     "steps_ms": breakdown,
                     "requests": {f"{v} {r}": c for (v, r), c in sent.items()},
+                    # The whole machine: the pair, the operator, the API server and etcd (and any other load).
+                    "cpu_busy": (busy1 - busy0) / max(all1 - all0, 1e-9),
+                    "cpu_ms_per_cycle": (busy1 - busy0) / n * 1000,
                 }
                 print(f"# gpuobj {human(size)} {policy}: {rate:.1f} cycles/s", file=sys.stderr, flush=True)
             out["rows"][str(size)] = row
@@ -677,8 +692,15 @@ def report(ray: dict | str, ours: dict | str, sizes: list[int]) -> None:
             op = ours["pairs"].get(str(size)) if isinstance(ours, dict) else None
             if rp is None and op is None:
                 continue
-            one = ours["rows"].get(str(size), {}).get("persistent", {}).get("rate") if isinstance(ours, dict) else None
+            solo = ours["rows"].get(str(size), {}).get("persistent", {}) if isinstance(ours, dict) else {}
+            one = solo.get("rate")
             scale = f", {op / one:.2f}x one pair" if op and one else ""
+            if op and one and solo.get("cpu_busy"):
+                # Pairs add only what one pair leaves idle: at most 1/busy times one pair's rate.
+                scale += (
+                    f" (one pair kept the {os.cpu_count()} CPUs {solo['cpu_busy']:.0%} busy, "
+                    f"{solo['cpu_ms_per_cycle']:.2f} ms of CPU per cycle: at most {1 / solo['cpu_busy']:.2f}x here)"
+                )
             ratio = f" ({op / rp:.2f}x Ray)" if op and rp else ""
             npairs = (ours if isinstance(ours, dict) else ray).get("npairs", 4)  # type: ignore[union-attr]
             print(

@@ -15,6 +15,8 @@ RECLAIMED_BYTES = "gpuobj_reclaimed_bytes_total"  # counter{namespace}
 FREE_LATENCY = "gpuobj_free_latency_seconds"  # histogram: last reference gone -> agent ack
 FREES = "gpuobj_frees_total"  # counter{result}
 FREE_FAILURES = "gpuobj_free_failures_total"  # counter{reason}
+CLAIMS_CHECKS = "gpuobj_claims_checks_total"  # counter{how=ledger|marker|read}: how a free knew every claim
+CLAIMS_MARKER_WRITES = "gpuobj_claims_marker_writes_total"  # counter{result=written|failed}
 LOST_OBJECTS = "gpuobj_lost_objects_total"  # counter
 AUDIT_RUNS = "gpuobj_audit_runs_total"  # counter{result}
 OPERATOR_LEADER = "gpuobj_operator_leader"  # gauge: 1 while this replica holds the leader lease

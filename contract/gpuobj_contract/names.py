@@ -32,6 +32,10 @@ ANNOTATION_AGENT_HOST = f"{GROUP}/agent-host"  # overrides status.podIP (dev clu
 ANNOTATION_SHARED_BY = f"{GROUP}/shared-by"  # on a claim made for a receiver: the sharing (source) pod
 ANNOTATION_SOURCE_ENDPOINT = f"{GROUP}/source-endpoint"  # the source agent, as the client library saw it
 ANNOTATION_STREAM_END = f"{GROUP}/stream-end"  # on a stream: readers stop before this item index
+# The one claim the operator owns, in the namespace it watches (or its own): it writes it to move its claims
+# watch past an object's deletion (operator/gpuobj_operator/progress_marker.py). It holds nothing.
+CLAIMS_PROGRESS_MARKER = "gpuobj-claims-progress"
+ANNOTATION_PROGRESS = f"{GROUP}/progress"  # on the marker: changed by each write
 
 # Agent defaults.
 AGENT_PORT_NAME = "gpuobj-agent"

@@ -7,6 +7,8 @@ before the deletion is seen before anything is freed. Three ways to see them, ch
 - ``LEDGER``: the claims watch, applied to the ledger strictly in the order the API server sent
   it (one stream, in resourceVersion order), has passed the version the decision saw. Every
   claim that existed then is in the ledger (or was deleted since). No request at all.
+- ``MARKER``: the same, once a write to the operator's own progress marker claim moved the watch
+  past that version (progress_marker.py): what a free pays when no claim event follows the deletion.
 - ``EXACT``: read the claims *at exactly* that version. The API server answers from etcd or a
   snapshot at once; a "not older than" read instead waits (40-100 ms) for its watch cache to
   learn, from an etcd progress notification, that it has caught up.
@@ -29,11 +31,17 @@ from gpuobj_operator.model import ClaimInfo
 
 class Plan(enum.Enum):
     LEDGER = "ledger"
+    MARKER = "marker"  # the watch passed once the operator wrote its progress marker (progress_marker.py)
     EXACT = "exact"
     LATEST = "latest"
 
+    @property
+    def counted(self) -> str:
+        """The label of gpuobj_claims_checks_total: ledger, marker, or read."""
+        return "read" if self in (Plan.EXACT, Plan.LATEST) else self.value
 
-def _revision(rv: str | None) -> int | None:
+
+def parse_revision(rv: str | None) -> int | None:
     if not rv:
         return None
     try:
@@ -55,7 +63,7 @@ class Watermark:
 
     def observe(self, rv: str | None) -> None:
         """Call after the event (or the whole list) at ``rv`` was applied; bookmarks count too."""
-        revision = _revision(rv)
+        revision = parse_revision(rv)
         if revision is not None and (self.revision is None or revision > self.revision):
             self.revision = revision
             if self._waiters:
@@ -72,7 +80,7 @@ class Watermark:
     def reached(self, rv: str) -> asyncio.Future[None]:
         """A future done once everything up to ``rv`` was applied (cancel it to stop waiting)."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        revision = _revision(rv)
+        revision = parse_revision(rv)
         if revision is None:
             return future  # never: an unparsable version is never trusted
         if self.revision is not None and self.revision >= revision:
@@ -83,7 +91,7 @@ class Watermark:
 
     def passed(self, rv: str | None) -> bool:
         """Whether everything up to and including ``rv`` has been applied."""
-        revision = _revision(rv)
+        revision = parse_revision(rv)
         return revision is not None and self.revision is not None and self.revision >= revision
 
 
@@ -111,7 +119,7 @@ class ReadDelay:
 
 def plan(seen_rv: str | None, claims_watermark: Watermark | None) -> Plan:
     """How to re-check the claims of an object the ledger saw at ``seen_rv`` before freeing it."""
-    if _revision(seen_rv) is None:
+    if parse_revision(seen_rv) is None:
         return Plan.LATEST
     if claims_watermark is not None and claims_watermark.passed(seen_rv):
         return Plan.LEDGER

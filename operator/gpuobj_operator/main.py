@@ -33,6 +33,7 @@ from gpuobj_operator.informer import Informer
 from gpuobj_operator.leader import Backoff, LeaderElector, LeaseConfig
 from gpuobj_operator.metrics import OperatorMetrics
 from gpuobj_operator.model import ClaimInfo
+from gpuobj_operator.progress_marker import ProgressMarker, marker_writer
 from gpuobj_operator.reconciler import LABEL_AGENT_SELECTOR, Reconciler
 
 log = logging.getLogger("gpuobj.operator")
@@ -94,10 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--claims-read-delay",
         type=float,
-        default=0.005,
-        help="seconds a free waits for the claims watch to pass the deletion before it also reads the claims, "
-        "while such reads are slow (an API server's claims watch cache makes them wait 40-100 ms); none once "
-        "they answer fast (docs/operator-free-path.md)",
+        default=0.05,
+        help="seconds a free waits for the claims watch to pass the deletion (moved on by the progress marker) "
+        "before it also reads the claims, while such reads are slow (an API server's claims watch cache makes "
+        "them wait 40-100 ms); none once they answer fast (docs/operator-free-path.md)",
+    )
+    p.add_argument(
+        "--claims-progress-marker",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"write the claim {names.CLAIMS_PROGRESS_MARKER} in the watched namespace (or the operator's own) to "
+        "move the claims watch past a deletion that no claim event follows; the chart grants it "
+        "(docs/operator-free-path.md)",
     )
     p.add_argument("--log-level", default=env("GPUOBJ_LOG_LEVEL", "INFO"))
     return p
@@ -302,6 +311,14 @@ async def lead(
     claims = Informer(kube, CLAIMS, reconciler.on_claim, namespace=args.namespace)
     reconciler.claims_watermark = claims.watermark
     reconciler.claims_read_delay = args.claims_read_delay
+    if args.claims_progress_marker:
+        marker_namespace = args.namespace or args.lease_namespace
+        reconciler.marker_key = (marker_namespace, names.CLAIMS_PROGRESS_MARKER)
+        reconciler.progress_marker = ProgressMarker(
+            claims.watermark,
+            marker_writer(kube, marker_namespace),
+            on_write=lambda ok: metrics.claims_marker_writes.labels("written" if ok else "failed").inc(),
+        )
     kopf_stop = asyncio.Event()
     operator: asyncio.Task | None = None
     # Renew from the start: a sync that outlives the lease must not leave it to lapse.

@@ -70,6 +70,19 @@ class OperatorMetrics:
         self.free_failures = Counter(
             m.FREE_FAILURES.removesuffix("_total"), "Free attempts that failed", ["reason"], registry=r
         )
+        self.claims_checks = Counter(
+            m.CLAIMS_CHECKS.removesuffix("_total"),
+            "How a free knew every claim up to the object's deletion: its claims watch had passed it (ledger), "
+            "had passed it after a write to the progress marker (marker), or a read of the claims (read)",
+            ["how"],
+            registry=r,
+        )
+        self.claims_marker_writes = Counter(
+            m.CLAIMS_MARKER_WRITES.removesuffix("_total"),
+            "Writes to the claims progress marker, each moving the claims watch past every free waiting then",
+            ["result"],
+            registry=r,
+        )
         self.lost = Counter(
             m.LOST_OBJECTS.removesuffix("_total"), "GPUObjects that became Lost (source gone first)", registry=r
         )
@@ -85,6 +98,10 @@ class OperatorMetrics:
             self.claims_dropped.labels(holder)
         for result in ("ok", "error"):
             self.audits.labels(result)
+        for how in ("ledger", "marker", "read"):
+            self.claims_checks.labels(how)
+        for result in ("written", "failed"):
+            self.claims_marker_writes.labels(result)
 
     def saw_namespace(self, namespace: str) -> None:
         """Start the namespace's reclaimed-bytes counter at 0 when its first agent is audited."""

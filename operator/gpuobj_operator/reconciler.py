@@ -57,6 +57,7 @@ from gpuobj_operator.events import EventRecorder
 from gpuobj_operator.ledger import Ledger
 from gpuobj_operator.metrics import OperatorMetrics
 from gpuobj_operator.model import Key, ObjectInfo, PodInfo, parse_claim, parse_object, parse_pod, parse_stream
+from gpuobj_operator.progress_marker import ProgressMarker
 from gpuobj_operator.workqueue import WorkQueue
 
 log = logging.getLogger("gpuobj.operator")
@@ -76,7 +77,10 @@ class Reconciler:
     _executors: ClassVar[dict[type[Action], Callable[[Reconciler, Any], Awaitable[None]]]]
     # The in-order claims watch's progress (main.py wires the claims Informer's); None: always read.
     claims_watermark: claimcheck.Watermark | None = None
-    claims_read_delay = 0.005  # seconds a free waits for that watch before it reads the claims, while reads are slow
+    # Written to move that watch past a deletion no claim event follows (progress_marker.py); None: reads only.
+    progress_marker: ProgressMarker | None = None
+    marker_key: Key | None = None  # the marker claim: kept out of the ledger and out of every read
+    claims_read_delay = 0.05  # seconds a free waits for that watch before it also reads, while reads are slow
     _claims_reads: claimcheck.ReadDelay | None = None
 
     def __init__(
@@ -150,7 +154,8 @@ class Reconciler:
         for s in streams["items"]:
             self.ledger.upsert_stream(parse_stream(s))
         for c in claims["items"]:
-            self.ledger.upsert_claim(parse_claim(c), now)
+            if not self.is_marker(c):
+                self.ledger.upsert_claim(parse_claim(c), now)
         for p in pods["items"]:
             self.ledger.upsert_pod(self._parse_pod(p))
         for o in objects["items"]:
@@ -172,6 +177,8 @@ class Reconciler:
         self._tasks.append(asyncio.create_task(self._resync_loop(), name="resync"))
         if self.liveness_interval > 0:
             self._tasks.append(asyncio.create_task(self._liveness_loop(), name="liveness"))
+        if self.progress_marker is not None:
+            self._tasks.append(asyncio.create_task(self.progress_marker.run(), name="claims-progress-marker"))
 
     async def stop(self) -> None:
         self.queue.close()
@@ -204,7 +211,14 @@ class Reconciler:
             # A deletion (the owner's reference went) is the free lane: ahead of status work.
             self.enqueue(self.ledger.upsert_object(info, now), urgent=info.deleting)
 
+    def is_marker(self, raw: dict) -> bool:
+        """The operator's own progress marker: a claim that holds nothing (progress_marker.py)."""
+        meta = raw.get("metadata", {})
+        return self.marker_key is not None and (meta.get("namespace", ""), meta.get("name")) == self.marker_key
+
     def on_claim(self, event_type: str | None, raw: dict) -> None:
+        if self.is_marker(raw):
+            return  # its event moves the claims watermark (the informer does that); nothing to decide
         info = parse_claim(raw)
         now = time.monotonic()
         if event_type == "DELETED":
@@ -408,6 +422,11 @@ class Reconciler:
         claimcheck.ReadDelay), and take whichever of the watch and the read answers first. A read waits,
         on an API server with a claims watch cache, until that cache learns it is current: 40-100 ms.
         """
+        how, blocking = await self._learn_claims(key, uid, seen_rv)
+        self.metrics.claims_checks.labels(how.counted).inc()
+        return how, blocking
+
+    async def _learn_claims(self, key: Key, uid: str, seen_rv: str | None) -> tuple[claimcheck.Plan, list]:
         how = claimcheck.plan(seen_rv, self.claims_watermark)
         if how is claimcheck.Plan.LEDGER:
             return how, []
@@ -416,6 +435,8 @@ class Reconciler:
         if self._claims_reads is None:
             self._claims_reads = claimcheck.ReadDelay(self.claims_read_delay)
         passed = self.claims_watermark.reached(seen_rv)
+        if self.progress_marker is not None:
+            self.progress_marker.request(seen_rv)
         read: asyncio.Task | None = None
         try:
             if self._claims_reads.seconds > 0:
@@ -428,7 +449,8 @@ class Reconciler:
                 if read.done() and not read.cancelled() and read.exception() is None:
                     self._claims_reads.observe(time.monotonic() - started)
             if passed.done() and not passed.cancelled():
-                return claimcheck.Plan.LEDGER, []  # the ledger holds every claim up to seen_rv
+                # The ledger holds every claim up to seen_rv.
+                return (claimcheck.Plan.LEDGER if self.progress_marker is None else claimcheck.Plan.MARKER), []
             assert read is not None
             return how, claimcheck.blocking(read.result(), uid, self.claims_watermark)
         finally:
@@ -454,11 +476,11 @@ class Reconciler:
         if at:
             try:
                 listed = await self.kube.list(CLAIMS, key[0], field_selector=selector, exact=at)
-                return [parse_claim(raw) for raw in listed["items"]]
+                return [parse_claim(raw) for raw in listed["items"] if not self.is_marker(raw)]
             except Gone:
                 pass  # compacted: the current state is newer, and as safe
         listed = await self.kube.list(CLAIMS, key[0], field_selector=selector)
-        return [parse_claim(raw) for raw in listed["items"]]
+        return [parse_claim(raw) for raw in listed["items"] if not self.is_marker(raw)]
 
     async def _do_ReleaseWithoutFree(self, a: ReleaseWithoutFree) -> None:
         if a.uid in self._freed:

@@ -55,6 +55,19 @@ app.kubernetes.io/component: operator
 {{- default (include "gpuobj.operator.name" .) .Values.operator.leaseName -}}
 {{- end -}}
 
+{{/*
+The claim the operator writes to move its claims watch past a deletion (operator/gpuobj_operator/
+progress_marker.py): its name is gpuobj_contract.names.CLAIMS_PROGRESS_MARKER (tests/e2e/deploy checks it),
+in the namespace the operator watches, or its own when it watches all.
+*/}}
+{{- define "gpuobj.progressMarkerName" -}}
+gpuobj-claims-progress
+{{- end -}}
+
+{{- define "gpuobj.progressMarkerNamespace" -}}
+{{- default .Release.Namespace .Values.operator.watchNamespace -}}
+{{- end -}}
+
 {{- define "gpuobj.workloadRoleName" -}}
 {{- printf "%s-workload" (include "gpuobj.fullname" .) -}}
 {{- end -}}

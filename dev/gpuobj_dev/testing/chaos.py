@@ -29,6 +29,7 @@ from typing import Protocol
 from gpuobj_dev.testing import agent_http
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.operator import OperatorProcess
+from gpuobj_dev.testing.records import user_claims
 from gpuobj_dev.testing.waits import wait_until
 from gpuobj_dev.testing.workload import WorkloadProcess
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS
@@ -193,7 +194,7 @@ class Chaos:
 
     def api_records(self, object_name: str | None = None) -> tuple[list[dict], list[dict]]:
         objects = self._kube(lambda k: k.list(GPUOBJECTS, self.namespace))["items"]
-        claims = self._kube(lambda k: k.list(CLAIMS, self.namespace))["items"]
+        claims = user_claims(self._kube(lambda k: k.list(CLAIMS, self.namespace))["items"])
         if object_name is not None:
             objects = [o for o in objects if o["metadata"]["name"] == object_name]
             claims = [c for c in claims if c["spec"]["objectName"] == object_name]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gpuobj_contract import names
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.operator import OperatorProcess
 from tests.e2e.deploy.support import (
@@ -315,6 +317,7 @@ def rbac_release(gpuobj_cluster: ClusterHandle, _deleted_namespaces: list[str]) 
             "lease": one(docs, "Role", f"{release}-gpuobj-operator-leader-election")["rules"][1]["resourceNames"][0],
             "operator_rules": yaml.safe_dump(one(docs, "ClusterRole", f"{release}-gpuobj-operator")["rules"]),
             "lease_rules": yaml.safe_dump(one(docs, "Role", f"{release}-gpuobj-operator-leader-election")["rules"]),
+            "marker_rules": yaml.safe_dump(one(docs, "Role", f"{release}-gpuobj-operator-progress-marker")["rules"]),
             "workload_rules": yaml.safe_dump(one(docs, "ClusterRole", f"{release}-gpuobj-workload")["rules"]),
         }
         gpuobj_cluster.helm("uninstall", release, "-n", ns)
@@ -339,6 +342,14 @@ def _granted(cluster: ClusterHandle, subject: str, namespace: str, baseline_subj
     return listed(subject) - listed(baseline_subject)
 
 
+def _merged(rules: set[Rule]) -> dict[tuple[str, tuple[str, ...]], frozenset[str]]:
+    """Verbs per (resource, resource names), however many rules grant them."""
+    verbs: dict[tuple[str, tuple[str, ...]], frozenset[str]] = {}
+    for resource, names_, granted in rules:
+        verbs[(resource, names_)] = verbs.get((resource, names_), frozenset()) | granted
+    return verbs
+
+
 def _can(cluster: ClusterHandle, subject: str, *request: str) -> bool:
     proc = cluster.kubectl("auth", "can-i", *request, "--as", subject, check=False)
     assert proc.stdout.strip() in ("yes", "no"), proc.stdout + proc.stderr
@@ -351,6 +362,7 @@ def test_operator_service_account_has_exactly_the_rules_the_operator_uses(
     r = rbac_release
     cluster_rules = rules_from_manifest(yaml.safe_load(r["operator_rules"]))
     lease_rules = rules_from_manifest(yaml.safe_load(r["lease_rules"]))
+    marker_rules = rules_from_manifest(yaml.safe_load(r["marker_rules"]))
     assert cluster_rules == {
         ("gpuobjects.gpuobj.io", (), frozenset({"get", "list", "watch", "patch", "delete"})),
         ("gpuobjectclaims.gpuobj.io", (), frozenset({"get", "list", "watch", "patch", "delete"})),
@@ -366,7 +378,12 @@ def test_operator_service_account_has_exactly_the_rules_the_operator_uses(
         ("leases.coordination.k8s.io", (r["lease"],), frozenset({"get", "update"})),
     }
     # In its own namespace: the workload rules and its Lease; anywhere else: the workload rules only.
-    assert _granted(gpuobj_cluster, r["operator"], r["ns"], r["nobody"]) == cluster_rules | lease_rules
+    # The progress marker: create of claims where it lives (admission allows that one claim only).
+    assert marker_rules == {("gpuobjectclaims.gpuobj.io", (), frozenset({"create"}))}
+    # kubectl may list a resource's rules from two roles as one line: compare verbs per resource.
+    assert _merged(_granted(gpuobj_cluster, r["operator"], r["ns"], r["nobody"])) == _merged(
+        cluster_rules | lease_rules | marker_rules
+    )
     assert _granted(gpuobj_cluster, r["operator"], r["workload_ns"], r["nobody"]) == cluster_rules
 
 
@@ -389,6 +406,8 @@ def test_operator_service_account_has_exactly_the_rules_the_operator_uses(
         (("update", "leases.coordination.k8s.io/some-other-lease", "-n", "{ns}"), False),
         (("delete", "leases.coordination.k8s.io/{lease}", "-n", "{ns}"), False),
         (("create", "gpuobjects.gpuobj.io", "-n", "{workload_ns}"), False),
+        (("create", "gpuobjectclaims.gpuobj.io", "-n", "{ns}"), True),
+        (("create", "gpuobjectclaims.gpuobj.io", "-n", "{workload_ns}"), False),
         (("update", "gpuobjects.gpuobj.io", "-n", "{workload_ns}"), False),
         (("delete", "gpuobjectstreams.gpuobj.io", "-n", "{workload_ns}"), False),
         (("list", "customresourcedefinitions.apiextensions.k8s.io"), False),
@@ -401,6 +420,26 @@ def test_operator_service_account_is_allowed_what_it_needs_and_denied_the_rest(
 ) -> None:
     request = [part.format(**rbac_release) for part in request_]
     assert _can(gpuobj_cluster, rbac_release["operator"], *request) is allowed, request
+
+
+def test_the_operator_may_create_its_progress_marker_and_no_other_claim(
+    gpuobj_cluster: ClusterHandle, rbac_release: dict[str, str]
+) -> None:
+    """RBAC lets it create claims in its namespace; admission lets it create only the marker, by name."""
+    r = rbac_release
+
+    def create(name: str, namespace: str) -> subprocess.CompletedProcess:
+        claim = {"apiVersion": names.API_VERSION, "kind": names.KIND_CLAIM,
+                 "metadata": {"name": name, "namespace": namespace}, "spec": {"objectName": name}}  # fmt: skip
+        return gpuobj_cluster.kubectl(
+            "create", "--dry-run=server", "-f", "-", "--as", r["operator"], input=json.dumps(claim), check=False
+        )
+
+    assert create(names.CLAIMS_PROGRESS_MARKER, r["ns"]).returncode == 0
+    other = create("not-the-marker", r["ns"])
+    assert other.returncode != 0 and "claims-for-self-or-as-the-sharer" in other.stderr, other.stderr
+    elsewhere = create(names.CLAIMS_PROGRESS_MARKER, r["workload_ns"])
+    assert elsewhere.returncode != 0 and "forbidden" in elsewhere.stderr.lower(), elsewhere.stderr
 
 
 def test_workload_service_account_has_exactly_what_the_client_library_uses(

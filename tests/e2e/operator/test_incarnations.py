@@ -13,6 +13,7 @@ import pytest
 from gpuobj_dev.testing import agent_http
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.operator import OperatorProcess
+from gpuobj_dev.testing.records import user_claims
 from gpuobj_dev.testing.waits import wait_until
 from gpuobj_kube.client import CLAIMS
 from tests.e2e.operator.conftest import Pods, kube
@@ -33,7 +34,7 @@ def test_reader_process_killed_while_its_pod_stays_drops_its_claim_and_the_bytes
     src.run("ref = client.put([torch.ones(1 << 14)], name='kv'); client.flush()")
     address = src.eval_pickle("ref.address")
     reader.run(f"h = client.borrow(load_pickle({address!r})); client.flush(); got = client.fetch(h)[0]")
-    [claim] = kube(gpuobj_cluster, lambda k: k.list(CLAIMS, namespace))["items"]
+    [claim] = user_claims(kube(gpuobj_cluster, lambda k: k.list(CLAIMS, namespace))["items"])
     assert claim["spec"]["holder"] == {"podName": "reader", "incarnation": reader.eval("client.incarnation")}
     src.run("ref.release()")  # only the reader's claim holds the bytes now
     wait_object(gpuobj_cluster, namespace, "kv", lambda o: state(o) == "Releasing")
@@ -60,7 +61,7 @@ def test_reader_container_restart_drops_the_old_process_claims_and_keeps_the_new
     new_incarnation = reader.eval("client.incarnation")
 
     def only_new_claim() -> bool:
-        claims = kube(gpuobj_cluster, lambda k: k.list(CLAIMS, namespace))["items"]
+        claims = user_claims(kube(gpuobj_cluster, lambda k: k.list(CLAIMS, namespace))["items"])
         return [c["spec"]["holder"].get("incarnation") for c in claims] == [new_incarnation]
 
     wait_until(only_new_claim, "the old process's claim is dropped, the new one kept", timeout=30)
@@ -147,7 +148,7 @@ def test_a_share_made_without_the_receivers_process_dies_with_the_process_that_a
     src.run("client.flush(); ref.release()")
     reader.run(f"h = client.adopt(load_pickle({shared!r})); got = client.fetch(h)[0]")
     assert reader.eval("float(got.sum())") == 1 << 14
-    [claim] = kube(gpuobj_cluster, lambda k: k.list(CLAIMS, namespace))["items"]
+    [claim] = user_claims(kube(gpuobj_cluster, lambda k: k.list(CLAIMS, namespace))["items"])
     assert claim["spec"]["holder"] == {"podName": "reader"}  # pod-scoped in the API; the operator scopes it
     wait_object(gpuobj_cluster, namespace, "kv", lambda o: state(o) == "Releasing")
 
@@ -175,7 +176,7 @@ def test_a_receiver_alive_but_slow_to_adopt_keeps_its_share(
     wait_until(
         lambda: operator.metric("gpuobj_audit_runs_total", {"result": "ok"}) >= audits + 8, "8 more audits", 60, 0.1
     )
-    assert len(kube(gpuobj_cluster, lambda k: k.list(CLAIMS, namespace))["items"]) == 1
+    assert len(user_claims(kube(gpuobj_cluster, lambda k: k.list(CLAIMS, namespace))["items"])) == 1
     assert operator.metric("gpuobj_claims_dropped_total", {"holder": "process"}) == 0
     assert wait_object(gpuobj_cluster, namespace, "kv", lambda o: o is not None)["status"]["state"] == "Releasing"
     # It adopts at last: the bytes are there, and its release frees them.

@@ -14,6 +14,7 @@ from gpuobj_contract import names
 from gpuobj_dev.testing import agent_http
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.operator import OperatorProcess
+from gpuobj_dev.testing.records import user_claims
 from gpuobj_dev.testing.waits import wait_until
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, wait_for
 from tests.e2e.operator.conftest import Pods, kube
@@ -37,7 +38,7 @@ def refs(obj: dict | None) -> int | None:
 
 def assert_api_empty(cluster: ClusterHandle, namespace: str) -> None:
     objects = kube(cluster, lambda k: k.list(GPUOBJECTS, namespace))["items"]
-    claims = kube(cluster, lambda k: k.list(CLAIMS, namespace))["items"]
+    claims = user_claims(kube(cluster, lambda k: k.list(CLAIMS, namespace))["items"])
     assert objects == [] and claims == [], (objects, claims)
 
 

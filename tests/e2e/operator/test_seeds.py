@@ -14,6 +14,7 @@ import pytest
 from gpuobj_dev.testing import agent_http
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.operator import OperatorProcess
+from gpuobj_dev.testing.records import user_records
 from gpuobj_dev.testing.waits import wait_until
 from gpuobj_kube.client import GPUOBJECTS
 from tests.e2e.operator.conftest import Pods, kube
@@ -111,7 +112,10 @@ def test_seed_003_late_reports_failed_writes_and_stream_deletion_leave_nothing(
     wait_until(lambda: agent_http.inventory(pods.endpoint("producer"), token_file)["objects"] == [], "items freed")
     agent_http.assert_holds_nothing(pods.endpoint("producer"), token_file)
     agent_http.assert_holds_nothing(pods.endpoint("consumer"), token_file)
-    wait_until(lambda: gpuobj_cluster.kubectl("get", "gpuobj", "-n", namespace, "-o", "name").stdout == "", "API empty")
+    wait_until(
+        lambda: user_records(gpuobj_cluster.kubectl("get", "gpuobj", "-n", namespace, "-o", "name").stdout) == [],
+        "API empty",
+    )
     assert_api_empty(gpuobj_cluster, namespace)
 
 

@@ -1,0 +1,131 @@
+"""The claims progress marker: one claim the operator owns and writes to move its claims watch on.
+
+Why: a free must know every claim created before the object's deletion (claimcheck.py). When the
+last reference to go is the owner's GPUObject, no claim event follows the deletion, so the in-order
+claims watch stays behind it; and any read of claims at or after that version waits until the API
+server's claims watch cache learns from etcd that it is current (40-100 ms, docs/operator-free-path.md).
+A write to a claim gets a version newer than the deletion. Once the watch delivers that write, it has
+delivered every claim before it: the ledger then knows them all, with no read.
+
+One write serves every free waiting when it is made, and none is made while the watch passes on its
+own (claims come and go). Writes come one at a time: a free asking during a write whose version
+turns out older than its own asks for the next one. The marker holds nothing: the operator keeps it
+out of its ledger (``is_marker``) and out of every read of claims.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+
+from gpuobj_contract import names
+from gpuobj_kube.client import CLAIMS, ApiError, Conflict, KubeClient, NotFound
+from gpuobj_operator.claimcheck import Watermark, parse_revision
+
+log = logging.getLogger("gpuobj.operator.progress")
+
+Write = Callable[[], Awaitable[int]]
+
+
+class ProgressMarker:
+    """Asks for writes to the marker until the claims watch has passed every version a free waits on."""
+
+    def __init__(
+        self,
+        watermark: Watermark,
+        write: Write,
+        *,
+        on_write: Callable[[bool], None] | None = None,
+        retry_min: float = 0.2,
+        retry_max: float = 10.0,
+    ) -> None:
+        self.watermark = watermark
+        self._write = write
+        self._on_write = on_write or (lambda ok: None)
+        self.retry_min = retry_min
+        self.retry_max = retry_max
+        self._wanted: int | None = None  # the highest version a free waits for the watch to pass
+        self._written: int | None = None  # the version of the last write: the watch passes it soon
+        self._wake = asyncio.Event()
+        self.writes = 0
+
+    def request(self, rv: str) -> None:
+        """A free waits for the claims watch to pass ``rv``: write the marker unless it already has."""
+        wanted = parse_revision(rv)
+        if wanted is None or self.watermark.passed(rv):
+            return
+        if self._wanted is None or wanted > self._wanted:
+            self._wanted = wanted
+        self._wake.set()
+
+    def _pending(self) -> int | None:
+        """The version to write past, if neither the watch nor a write already has."""
+        wanted = self._wanted
+        if wanted is None:
+            return None
+        for passed in (self.watermark.revision, self._written):
+            if passed is not None and passed >= wanted:
+                return None
+        return wanted
+
+    async def run(self) -> None:
+        """Until cancelled: one write at a time, while some free waits on a version the watch has not passed."""
+        delay = self.retry_min
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._pending() is None:
+                continue
+            try:
+                written = await self._write()
+            except (ApiError, OSError, TimeoutError, aiohttp.ClientError) as exc:
+                # Frees do not stop: each also reads its claims after --claims-read-delay.
+                self._on_write(False)
+                log.warning("could not write the claims progress marker (retry in %.1f s): %s", delay, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.retry_max)
+                self._wake.set()
+                continue
+            delay = self.retry_min
+            self.writes += 1
+            self._written = max(written, self._written or 0)
+            self._on_write(True)
+            if self._pending() is not None:  # asked for while this write was under way, for a newer version
+                self._wake.set()
+
+
+def marker_writer(kube: KubeClient, namespace: str, name: str = names.CLAIMS_PROGRESS_MARKER) -> Write:
+    """The write: a new value in the marker's annotation (created on first use), returning its new version."""
+
+    async def write() -> int:
+        stamp = {names.ANNOTATION_PROGRESS: str(time.time_ns())}
+        for _ in range(3):
+            try:
+                written = await kube.patch(CLAIMS, name, {"metadata": {"annotations": stamp}}, namespace)
+            except NotFound:
+                try:
+                    written = await kube.create(CLAIMS, marker_manifest(name, stamp), namespace)
+                except Conflict:
+                    continue  # created meanwhile (an earlier leader): write to it
+            return int(written["metadata"]["resourceVersion"])
+        raise Conflict(409, "Conflict", f"claims progress marker {namespace}/{name} kept changing under its writer")
+
+    return write
+
+
+def marker_manifest(name: str, annotations: dict[str, str]) -> dict:
+    """The marker: a claim on an object of its own name that nobody creates; it has no holder."""
+    return {
+        "apiVersion": names.API_VERSION,
+        "kind": names.KIND_CLAIM,
+        "metadata": {
+            "name": name,
+            "labels": {"app.kubernetes.io/managed-by": "gpuobj-operator"},
+            "annotations": annotations,
+        },
+        "spec": {"objectName": name},
+    }

@@ -1,0 +1,154 @@
+"""When the operator writes its claims progress marker (progress_marker.py), driven by a fake write.
+
+The real test above these: tests/e2e/operator/test_free_claim_order.py (an owner-last free, on an API
+server with its claims watch cache, learns every claim through the marker and reads none).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from gpuobj_kube.client import ApiError
+from gpuobj_operator.claimcheck import Watermark
+from gpuobj_operator.progress_marker import ProgressMarker, marker_manifest
+
+WAIT = 5.0  # seconds: every wait in these tests ends long before, or the test fails
+
+
+class FakeApi:
+    """A write that takes the next etcd revision, and a watch that delivers it when told to."""
+
+    def __init__(self, watermark: Watermark, revision: int) -> None:
+        self.watermark = watermark
+        self.revision = revision
+        self.writes: list[int] = []
+        self.gate: asyncio.Event | None = None  # set: writes wait for it (a write under way)
+        self.failures = 0
+        self.results: list[int] = []  # preset versions for the next writes (else the next revision)
+        self.written = asyncio.Event()
+
+    async def write(self) -> int:
+        if self.gate is not None:
+            await asyncio.wait_for(self.gate.wait(), WAIT)
+        if self.failures:
+            self.failures -= 1
+            raise ApiError(403, "Forbidden", "cannot create gpuobjectclaims")
+        self.revision = self.results.pop(0) if self.results else self.revision + 1
+        self.writes.append(self.revision)
+        self.written.set()
+        return self.revision
+
+    def deliver(self) -> None:
+        """The claims watch delivers everything written so far."""
+        self.watermark.observe(str(self.revision))
+
+
+def run(scenario: Callable[[ProgressMarker, FakeApi, Watermark], Awaitable[None]], **kwargs: float) -> list[str]:
+    outcomes: list[str] = []
+
+    async def go() -> None:
+        mark = Watermark()
+        mark.observe("100")
+        api = FakeApi(mark, 100)
+        marker = ProgressMarker(
+            mark, api.write, on_write=lambda ok: outcomes.append("ok" if ok else "failed"), **kwargs
+        )
+        task = asyncio.create_task(marker.run())
+        try:
+            await scenario(marker, api, mark)
+        finally:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    asyncio.run(asyncio.wait_for(go(), WAIT * 2))
+    return outcomes
+
+
+async def settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+def test_no_write_while_the_watch_has_passed_the_version_on_its_own() -> None:
+    async def scenario(marker: ProgressMarker, api: FakeApi, mark: Watermark) -> None:
+        marker.request("90")
+        marker.request("100")
+        marker.request("not-a-version")
+        await settle()
+        assert api.writes == []
+
+    assert run(scenario) == []
+
+
+def test_one_write_serves_every_free_waiting_when_it_is_made() -> None:
+    async def scenario(marker: ProgressMarker, api: FakeApi, mark: Watermark) -> None:
+        api.revision = 110  # deletions at 105..110 happened meanwhile; the watch is at 100
+        for rv in ("105", "108", "110"):
+            marker.request(rv)
+        await asyncio.wait_for(api.written.wait(), WAIT)
+        await settle()
+        assert api.writes == [111]
+        api.deliver()
+        reached = mark.reached("110")
+        await asyncio.wait_for(reached, WAIT)
+        marker.request("110")  # asked again after the watch passed: nothing to write
+        await settle()
+        assert api.writes == [111]
+
+    assert run(scenario) == ["ok"]
+
+
+def test_a_free_asking_during_a_write_for_a_newer_version_gets_the_next_write() -> None:
+    async def scenario(marker: ProgressMarker, api: FakeApi, mark: Watermark) -> None:
+        api.gate = asyncio.Event()
+        api.results = [105, 121]  # the first write lands before the deletion at 120, the next after it
+        marker.request("104")
+        await settle()  # the write is under way
+        marker.request("120")
+        api.gate.set()
+        while len(api.writes) < 2:
+            api.written.clear()
+            await asyncio.wait_for(api.written.wait(), WAIT)
+        api.deliver()
+        await asyncio.wait_for(mark.reached("120"), WAIT)
+        await settle()
+        assert api.writes == [105, 121]
+
+    assert run(scenario) == ["ok", "ok"]
+
+
+def test_a_request_older_than_the_write_under_way_needs_no_second_write() -> None:
+    async def scenario(marker: ProgressMarker, api: FakeApi, mark: Watermark) -> None:
+        api.gate = asyncio.Event()
+        api.revision = 104
+        marker.request("104")
+        await settle()
+        marker.request("103")
+        api.gate.set()
+        await asyncio.wait_for(api.written.wait(), WAIT)
+        await settle()
+        assert api.writes == [105]
+
+    assert run(scenario) == ["ok"]
+
+
+def test_a_failed_write_is_counted_and_tried_again_until_it_lands() -> None:
+    async def scenario(marker: ProgressMarker, api: FakeApi, mark: Watermark) -> None:
+        api.failures = 2
+        api.revision = 101
+        marker.request("101")
+        await asyncio.wait_for(api.written.wait(), WAIT)
+        assert api.writes == [102]
+
+    assert run(scenario, retry_min=0.001, retry_max=0.002) == ["failed", "failed", "ok"]
+
+
+def test_the_marker_is_a_claim_of_its_own_name_with_no_holder() -> None:
+    manifest = marker_manifest("gpuobj-claims-progress", {"gpuobj.io/progress": "1"})
+    assert manifest["kind"] == "GPUObjectClaim"
+    assert manifest["spec"] == {"objectName": "gpuobj-claims-progress"}
+    assert manifest["metadata"]["annotations"] == {"gpuobj.io/progress": "1"}
