@@ -192,6 +192,18 @@ def rows() -> tuple[RowSpec, ...]:
                 (Query(q.rate(m.FREES, "result"), "{{result}}"),),
             ),
             PanelSpec(
+                "How frees knew every claim",
+                "Per second, how each free learned every claim made before the object's deletion: its in-order claims "
+                "watch had passed it (ledger), passed it after a write to the operator's progress marker (marker: "
+                "the owner's release went last), or a read of the claims (read: slow on an API server with a claims "
+                "watch cache). Marker writes that fail slow frees down to reads; see docs/operator-free-path.md.",
+                units.OpsPerSecond,
+                (
+                    Query(q.rate(m.CLAIMS_CHECKS, "how"), "{{how}}"),
+                    Query(q.rate(m.CLAIMS_MARKER_WRITES, "result"), "marker write {{result}}"),
+                ),
+            ),
+            PanelSpec(
                 "Free failures by reason",
                 "Free attempts that failed per second. Red: frees are failing and bytes stay allocated; the reason "
                 "label says why (agent unreachable, auth, ...). Check the source agent's pod and the operator's log.",

@@ -119,6 +119,18 @@ def groups() -> list[dict]:
             "frees) and at the operator's CPU. See deploy/prometheus/README.md#gpuobjectfreelatencyhigh.",
         ),
         Alert(
+            "GPUObjectClaimsMarkerFailing",
+            f'sum(rate({m.CLAIMS_MARKER_WRITES}{{result="failed"}}[10m])) > 0',
+            "15m",
+            "warning",
+            "gpuobj cannot write its claims progress marker",
+            "The operator's writes to its claims progress marker have failed at {{ $value | humanize }}/s for "
+            "15 minutes: frees whose last reference is the owner's release wait for a read of the claims "
+            "(40-100 ms each) instead of a few milliseconds.",
+            "grep 'claims progress marker' in the operator's log; check the Role <release>-gpuobj-operator-progress-"
+            "marker and the claims admission policy. See deploy/prometheus/README.md#gpuobjectclaimsmarkerfailing.",
+        ),
+        Alert(
             "GPUObjectAuditFailing",
             f'sum(rate({m.AUDIT_RUNS}{{result="error"}}[10m])) > 0',
             "30m",

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -13,29 +14,31 @@ import pytest
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
 
-SUSPECTS = ("gpuobj", "prometheus", "etcd", "kube-apiserver", "kube-controller-manager", "GPUOBJ_POD_NAME")
+RUN_TAG = "GPUOBJ_DEMO_TEST_RUN"  # in the demo's environment, and so in every process it starts
 
 
-def _our_kind_of_processes() -> dict[int, str]:
-    """Processes that look like something the demo starts: control plane, operator, workloads, Prometheus."""
+def _processes_of_run(run: str) -> dict[int, str]:
+    """Live processes started by this test's demo run (they inherit its environment): never another's."""
+    tag = f"{RUN_TAG}={run}".encode()
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if (entry / "stat").read_text().split()[2] == "Z":
+            if tag not in (entry / "environ").read_bytes().split(b"\0"):
                 continue
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
-            continue
-        if any(s in cmdline for s in SUSPECTS):
-            found[int(entry.name)] = cmdline[:200]
+            continue  # gone, or not ours to read
+        found[int(entry.name)] = cmdline[:200]
     return found
 
 
 def test_quick_demo_runs_end_to_end_and_leaves_nothing_behind(tmp_path: Path) -> None:
     state, out, report = tmp_path / "cluster", tmp_path / "out", tmp_path / "report.json"
-    before = _our_kind_of_processes()
+    run = uuid.uuid4().hex
     proc = subprocess.run(
         [
             sys.executable,
@@ -53,7 +56,7 @@ def test_quick_demo_runs_end_to_end_and_leaves_nothing_behind(tmp_path: Path) ->
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", RUN_TAG: run},
     )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
     lines = proc.stdout
@@ -69,6 +72,6 @@ def test_quick_demo_runs_end_to_end_and_leaves_nothing_behind(tmp_path: Path) ->
     assert empty == [], f"dashboard panel queries without data: {empty}"
     assert Path(r["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Ctrl-C-safe teardown: no control plane, operator, agent or Prometheus process survives the demo.
-    left = {pid: cmd for pid, cmd in _our_kind_of_processes().items() if pid not in before}
+    left = _processes_of_run(run)
     assert left == {}, left
     assert not state.exists()
