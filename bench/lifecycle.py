@@ -68,6 +68,17 @@ def load() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def settle(quiet: float, timeout: float) -> None:
+    """Wait (at most ``timeout`` s) for the 1-minute load to fall below ``quiet``, so that a side does not
+    start on the load the one before it left (the average decays over a minute). 0 skips it."""
+    if quiet <= 0:
+        return
+    deadline = time.monotonic() + timeout
+    while os.getloadavg()[0] >= quiet and time.monotonic() < deadline:
+        print(f"# waiting for the load to settle below {quiet}: {load()}", flush=True)
+        time.sleep(10)
+
+
 def cpu_busy() -> tuple[float, float]:
     """Seconds the machine's CPUs were busy and in all, since boot (/proc/stat): how much of the
     machine one pair keeps busy bounds what more pairs can add on it."""
@@ -764,6 +775,12 @@ def main(argv: list[str] | None = None) -> int:
         help="extra operator flag, e.g. --operator-arg=--claims-read-delay=0",
     )
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray RDT side")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=1.5,
+        help="before each side, wait up to 3 minutes for the 1-minute load to fall below this (0: don't wait)",
+    )
     parser.add_argument("--side", choices=["ray", "gpuobj"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -791,7 +808,9 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             ray = "ray not importable (make bench installs ray==2.60.0)"
         else:
+            settle(args.settle, 180)
             ray = run_side("ray", passthrough)
+    settle(args.settle, 180)
     ours = run_side("gpuobj", passthrough)
     report(ray, ours, args.sizes)
     return 0 if isinstance(ours, dict) else 1
