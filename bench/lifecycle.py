@@ -79,6 +79,20 @@ def settle(quiet: float, timeout: float) -> None:
         time.sleep(10)
 
 
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) each named process has used so far (/proc/PID/stat)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
 def cpu_busy() -> tuple[float, float]:
     """Seconds the machine's CPUs were busy and in all, since boot (/proc/stat): how much of the
     machine one pair keeps busy bounds what more pairs can add on it."""
@@ -521,6 +535,9 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
             return src, f"reader-{k}", reader_uid
 
         src, rname, ruid = make_pair(0)
+        # Whose CPU one pair's cycle uses: where the time goes when more pairs do not scale.
+        pids = {"producer (client + agent)": workloads[0].proc.pid, "reader (client + agent)": workloads[1].proc.pid,
+                "operator": operator.proc.pid, **{n: p for n, p in handle.state.pids.items()}}  # fmt: skip
         src.eval(f"cycles(4096, 5, False, {rname!r}, {ruid!r})[0]")  # warm up
         for size in args.sizes:
             n = cycles_for(size, args.cycles)
@@ -528,10 +545,12 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
             for policy in ("persistent", "fresh"):
                 before = request_counts(handle)
                 busy0, all0 = cpu_busy()
+                cpu0 = cpu_seconds(pids)
                 rate, lat, breakdown = src.eval(
                     f"cycles({size}, {n}, {policy == 'fresh'}, {rname!r}, {ruid!r})", timeout=1800
                 )
                 busy1, all1 = cpu_busy()
+                cpu1 = cpu_seconds(pids)
                 src.run("client.flush()")
                 sent = delta(request_counts(handle), before)
                 row[policy] = {
@@ -543,6 +562,7 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
                     # The whole machine: the pair, the operator, the API server and etcd (and any other load).
                     "cpu_busy": (busy1 - busy0) / max(all1 - all0, 1e-9),
                     "cpu_ms_per_cycle": (busy1 - busy0) / n * 1000,
+                    "cpu_ms_per_cycle_by_process": {k: (cpu1[k] - cpu0[k]) / n * 1000 for k in cpu1 if k in cpu0},
                 }
                 print(f"# gpuobj {human(size)} {policy}: {rate:.1f} cycles/s", file=sys.stderr, flush=True)
             out["rows"][str(size)] = row
@@ -712,6 +732,11 @@ def report(ray: dict | str, ours: dict | str, sizes: list[int]) -> None:
                     f" (one pair kept the {os.cpu_count()} CPUs {solo['cpu_busy']:.0%} busy, "
                     f"{solo['cpu_ms_per_cycle']:.2f} ms of CPU per cycle: at most {1 / solo['cpu_busy']:.2f}x here)"
                 )
+                by = solo.get("cpu_ms_per_cycle_by_process") or {}
+                if by:
+                    scale += "\n  one pair's CPU per cycle, ms: " + ", ".join(
+                        f"{k} {v:.2f}" for k, v in sorted(by.items(), key=lambda kv: -kv[1])
+                    )
             ratio = f" ({op / rp:.2f}x Ray)" if op and rp else ""
             npairs = (ours if isinstance(ours, dict) else ray).get("npairs", 4)  # type: ignore[union-attr]
             print(
