@@ -111,7 +111,10 @@ def marker_writer(kube: KubeClient, namespace: str, name: str = names.CLAIMS_PRO
                     written = await kube.create(CLAIMS, marker_manifest(name, stamp), namespace)
                 except Conflict:
                     continue  # created meanwhile (an earlier leader): write to it
-            return int(written["metadata"]["resourceVersion"])
+            revision = parse_revision(written["metadata"].get("resourceVersion"))
+            if revision is None:  # never trusted (claimcheck.py): the frees read instead
+                raise ApiError(0, "UnparsableVersion", f"claims progress marker {namespace}/{name} has no revision")
+            return revision
         raise Conflict(409, "Conflict", f"claims progress marker {namespace}/{name} kept changing under its writer")
 
     return write
