@@ -62,6 +62,12 @@ class AgentConfig:
     # one large object: at 64 MiB, every free of a 64 MiB object rotated, and every next fetch paid a
     # new NIXL connection (~20-25 ms of the 64 MiB reader step, bench/lifecycle.py).
     quarantine_high_bytes: int = 256 << 20
+    # While fewer freed bytes than this wait on an agent, its rotation waits small_fence_interval instead
+    # of fence_interval: a rotation costs 20-60 ms of CPU (a new NIXL agent), which a few freed KiB do not
+    # justify four times a second (4 pairs of 4 KiB cycles spent about half of 2 CPUs on rotations,
+    # bench/lifecycle.py). Above it, and for large objects, the fence is as prompt as before.
+    quarantine_low_bytes: int = 16 << 20
+    small_fence_interval: float = 2.0
     # UCX progress thread poll timeout in microseconds (see nixl_transport.py).
     progress_delay_us: int = 1000
     # Default bound on one fetch (ticket, transfer, end).

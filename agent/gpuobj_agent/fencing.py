@@ -27,11 +27,13 @@ handed the object's keys, its tensors go to the quarantine (quarantine.py) inste
 being dropped, waiting on that agent, and its regions stay registered there, parked,
 until that agent is retired (deregistering them would fence nobody, and NIXL refuses a
 reader a second key for the same region, so a persistent tensor put again would need a
-newer agent every time; parked, the same key serves it). The fencer then rotates: within `fence_interval`
-(young) or `tenured_fence_interval` (long-lived objects), or at once above
-`quarantine_high_bytes` or when a free asks to wait for its fence, it activates a
-pre-created spare agent in that lane, moves the sealed agent's live objects out in
-chunks (their metadata is recomputed lazily, on their next read), waits until no ticket
+newer agent every time; parked, the same key serves it). The fencer then rotates: within
+`fence_interval` (young) or `tenured_fence_interval` (long-lived objects); within
+`small_fence_interval` while fewer than `quarantine_low_bytes` wait on a young agent (a rotation's
+20-60 ms of CPU is not worth a few KiB four times a second); at once above `quarantine_high_bytes`
+or when a free asks to wait for its fence. It activates a pre-created spare agent in that lane,
+moves the sealed agent's live objects out in chunks (their metadata is recomputed lazily, on
+their next read), waits until no ticket
 reads from the sealed agent (leases bound that), deregisters what it still holds,
 destroys it, and only then releases the quarantined memory. So a stale reader is fenced
 before the memory it could touch is released: it gets a clean error, never the source's
@@ -88,13 +90,24 @@ MIGRATION_CHUNK = 512  # objects moved per step under the NIXL lock, so frees an
 
 
 def rotation_due(
-    now: float, oldest: float | None, waiting_bytes: int, interval: float, high_bytes: int
+    now: float,
+    oldest: float | None,
+    waiting_bytes: int,
+    interval: float,
+    high_bytes: int,
+    *,
+    low_bytes: int = 0,
+    small_interval: float = 0.0,
 ) -> float | None:
-    """Seconds until an active agent must be rotated (0: now), or None if nothing waits on it."""
+    """Seconds until an active agent must be rotated (0: now), or None if nothing waits on it.
+
+    Fewer than ``low_bytes`` waiting wait ``small_interval`` (when longer): a rotation's CPU buys little then."""
     if oldest is None:
         return None
     if waiting_bytes >= high_bytes:
         return 0.0
+    if waiting_bytes < low_bytes:
+        interval = max(interval, small_interval)
     return max(0.0, oldest + interval - now)
 
 
@@ -228,7 +241,13 @@ class Fencer:
         interval = self.config.fence_interval if lane == YOUNG else self.config.tenured_fence_interval
         q = self.nixl.quarantine
         return rotation_due(
-            now, q.oldest(gen.gid), q.bytes_waiting_on(gen.gid), interval, self.config.quarantine_high_bytes
+            now,
+            q.oldest(gen.gid),
+            q.bytes_waiting_on(gen.gid),
+            interval,
+            self.config.quarantine_high_bytes,
+            low_bytes=self.config.quarantine_low_bytes,
+            small_interval=self.config.small_fence_interval if lane == YOUNG else 0.0,
         )
 
     def _next_wake(self) -> float:

@@ -91,6 +91,18 @@ def build_parser(prog: str = "gpuobj agent") -> argparse.ArgumentParser:
         help="fence at once when this many freed bytes wait (default %(default)s)",
     )
     p.add_argument(
+        "--quarantine-low-bytes",
+        type=int,
+        default=d.quarantine_low_bytes,
+        help="while fewer freed bytes wait, fence within --small-fence-interval instead (default %(default)s)",
+    )
+    p.add_argument(
+        "--small-fence-interval",
+        type=float,
+        default=d.small_fence_interval,
+        help="longest wait before a few freed bytes are fenced: a fence costs 20-60 ms of CPU (default %(default)s)",
+    )
+    p.add_argument(
         "--progress-delay-us",
         type=int,
         default=d.progress_delay_us,
@@ -118,6 +130,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         fence_interval=args.fence_interval,
         tenured_fence_interval=args.tenured_fence_interval,
         quarantine_high_bytes=args.quarantine_high_bytes,
+        quarantine_low_bytes=args.quarantine_low_bytes,
+        small_fence_interval=args.small_fence_interval,
         progress_delay_us=args.progress_delay_us,
     )
 

@@ -49,6 +49,18 @@ def test_rotation_is_due_after_the_fence_interval_or_at_once_above_the_high_wate
     assert rotation_due(10.0, 10.0, 1000, 0.25, 1000) == 0.0
 
 
+def test_a_few_freed_bytes_wait_the_small_interval_and_more_the_usual_one():
+    # 2 s while under 16 units wait; 0.25 s once 16 or more do; at once from 1000.
+    def due(now: float, waiting: int) -> float | None:
+        return rotation_due(now, 10.0, waiting, 0.25, 1000, low_bytes=16, small_interval=2.0)
+
+    assert due(10.0, 15) == 2.0 and due(11.0, 15) == 1.0 and due(12.5, 15) == 0.0
+    assert due(10.0, 16) == 0.25 and due(10.3, 16) == 0.0
+    assert due(10.0, 1000) == 0.0
+    # A small interval shorter than the usual one never hurries a rotation.
+    assert rotation_due(10.0, 10.0, 1, 0.25, 1000, low_bytes=16, small_interval=0.1) == 0.25
+
+
 def test_young_and_tenured_lanes_each_have_their_own_active_generation():
     table = GenerationTable("b")
     gids = []
