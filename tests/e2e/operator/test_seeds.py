@@ -38,7 +38,10 @@ def test_seed_000_metadata_is_gone_everywhere_and_a_repeated_free_is_a_noop(
     gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
 ) -> None:
     src, reader = pods.workload("src"), pods.workload("reader")
-    src.run("ref = client.put([torch.ones(1 << 12)], name='w'); oid = ref.address.object_id")
+    # flush: the GPUObject is recorded before anything else happens. The write-behind may record it
+    # late (seconds under load), and the wait below for it to be gone must not pass before it existed:
+    # the late frees then came before the operator's, and one of them freed the object.
+    src.run("ref = client.put([torch.ones(1 << 12)], name='w'); oid = ref.address.object_id; client.flush()")
     object_id = src.eval("oid")
     shared = src.eval_pickle("client.share(ref, 'reader')")
     reader.run(f"h = client.adopt(load_pickle({shared!r})); client.fetch(h); h.release()")
@@ -62,7 +65,8 @@ def test_seed_001_memory_reused_after_a_free_is_registered_once_and_reads_back_r
     """Deregistration happens before the memory can be reused: a new object in the same memory reads correctly."""
     src, reader = pods.workload("src"), pods.workload("reader")
     for round_ in range(3):
-        src.run(f"buf = torch.full((1 << 14,), {round_}.0); ref = client.put([buf], name='r{round_}')")
+        # flush: recorded before the wait below for it to be gone (see seed 000).
+        src.run(f"buf = torch.full((1 << 14,), {round_}.0); ref = client.put([buf], name='r{round_}'); client.flush()")
         shared = src.eval_pickle("client.share(ref, 'reader')")
         reader.run(f"h = client.adopt(load_pickle({shared!r})); got = client.fetch(h)[0]; h.release()")
         assert reader.eval("float(got.sum())") == round_ * (1 << 14)
@@ -123,7 +127,7 @@ def test_seed_004_exiting_with_live_handles_releases_without_fetching(
     gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
 ) -> None:
     src, holder = pods.workload("src"), pods.workload("holder")
-    src.run("big = client.put([torch.ones(1 << 20)], name='big')")
+    src.run("big = client.put([torch.ones(1 << 20)], name='big'); client.flush()")  # recorded (see seed 000)
     shared = src.eval_pickle("client.share(big, 'holder')")
     holder.run(f"h = client.adopt(load_pickle({shared!r}))")
     holder.run("own = client.put([torch.ones(8)], name='own')")

@@ -4,7 +4,8 @@ It speaks JSON lines on stdin/stdout: `load` remote metadata, `read` descriptors
 given (NIXL's own serialized form, from a read ticket) and report the bytes' sha256 or
 the NIXL error. It keeps whatever metadata it loaded, forever: that is the point.
 `python raw_reader.py NAME thread|none`: with NIXL's default progress thread, or with
-none (then its worker progresses only while it polls its own transfers).
+none (then its worker progresses only while it polls its own transfers). Its first answer,
+unasked, says it is ready.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from nixl._api import nixl_agent, nixl_agent_config
 def main() -> None:
     progress = sys.argv[2] == "thread"
     agent = nixl_agent(sys.argv[1], nixl_agent_config(enable_prog_thread=progress, backends=["UCX"]))
+    # Say so once up: starting (torch, NIXL, UCX) takes seconds on a loaded machine, and a test must not
+    # take a read ticket, whose lease then runs, before this process can use it.
+    sys.stdout.write("@@" + json.dumps({"ok": True, "ready": sys.argv[1]}) + "\n")
+    sys.stdout.flush()
     for line in sys.stdin:
         cmd = json.loads(line)
         try:

@@ -16,9 +16,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import select
+import queue
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -35,9 +36,18 @@ TRANSPORTS = {"default": {}, "tcp": {"UCX_TLS": "tcp"}}
 
 
 class RawReader:
-    """tests/integration/agent/raw_reader.py in a subprocess, driven by JSON lines with a timeout on every answer."""
+    """tests/integration/agent/raw_reader.py in a subprocess, driven by JSON lines with a timeout on every answer.
 
-    def __init__(self, name: str, env: dict[str, str], progress: str) -> None:
+    Returns once the process is ready (its NIXL agent made). Why: a test takes a read ticket and then hands
+    its metadata to this reader; the ticket's lease runs from then. Starting the process (torch, NIXL,
+    UCX) took 14 s at load 7 here, longer than the 10 s lease, so a ticket taken while it started had
+    expired by the time the read ended, and its end rightly said the read was not valid.
+
+    Answers are read by a thread into a queue: NIXL logs to stdout too, and select() on a buffered pipe
+    misses an answer that one read already pulled into the buffer together with a log line.
+    """
+
+    def __init__(self, name: str, env: dict[str, str], progress: str, start_timeout: float = 120.0) -> None:
         script = Path(__file__).with_name("raw_reader.py")
         full_env = {k: v for k, v in os.environ.items() if k != "UCX_TLS"} | env
         self.proc = subprocess.Popen(
@@ -48,25 +58,43 @@ class RawReader:
             env=full_env,
             text=True,
         )
+        self._answers: queue.Queue[dict | None] = queue.Queue()
+        self._lines = threading.Thread(target=self._read_lines, name=f"raw-reader-{name}", daemon=True)
+        self._lines.start()
+        try:
+            started = self._answer("start", start_timeout)
+            assert started == {"ok": True, "ready": name}, started
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_lines(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("@@"):
+                self._answers.put(json.loads(line[2:]))
+        self._answers.put(None)  # end of output: the process died or was closed
 
     def call(self, timeout: float = 60.0, **cmd) -> dict:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+        assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
-        while True:
-            ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-            if not ready:
-                raise AssertionError(f"raw reader did not answer {cmd['op']} within {timeout:g}s (wedged?)")
-            line = self.proc.stdout.readline()
-            if not line:
-                raise AssertionError(f"raw reader died (exit {self.proc.wait()})")
-            if line.startswith("@@"):
-                return json.loads(line[2:])
+        return self._answer(cmd["op"], timeout)
+
+    def _answer(self, what: str, timeout: float) -> dict:
+        try:
+            answer = self._answers.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"raw reader did not answer {what} within {timeout:g}s (wedged?)") from None
+        if answer is None:
+            raise AssertionError(f"raw reader died (exit {self.proc.wait()})")
+        return answer
 
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(30)
+        self._lines.join(30)
 
 
 def raw_sha(layout: TensorLayout, seed: int) -> str:
