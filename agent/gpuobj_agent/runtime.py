@@ -247,6 +247,10 @@ class AgentRuntime:
         """Free an object held here (idempotent); what the operator does over HTTP."""
         return self._call(self.agent.store.free(object_id, wait_fence=wait_fence), timeout)
 
+    def set_record_pending(self, object_id: str, pending: bool) -> None:
+        """From the embedding client's write-behind: whether the object's GPUObject is still unrecorded."""
+        self.agent.store.set_record_pending(object_id, pending)
+
     async def afree(self, object_id: str, *, wait_fence: bool = False) -> dict[str, Any]:
         return await self._acall(self.agent.store.free(object_id, wait_fence=wait_fence))
 

@@ -142,6 +142,9 @@ class ObjectStore:
         self.objects: dict[str, StoredObject] = {}
         self.streams: dict[str, set[str]] = {}
         self.published: dict[str, list[torch.Tensor]] = {}
+        # Objects whose GPUObject the embedding client has queued but not recorded yet (its write-behind);
+        # set from the client's thread (single set operations: atomic under the GIL).
+        self._record_pending: set[str] = set()
         self.tickets_changed = asyncio.Condition()
         self.closing = False
         self._issued = asyncio.Event()
@@ -596,6 +599,7 @@ class ObjectStore:
                 if self.nixl.gens.has(gid):
                     self.nixl.gens.get(gid).migrated.discard(obj.object_id)
             self.objects.pop(obj.object_id, None)
+            self._record_pending.discard(obj.object_id)
             members = self.nixl.members.get(obj.gid)
             if members is not None:
                 members.discard(obj.object_id)
@@ -642,6 +646,16 @@ class ObjectStore:
         obj = self.objects.get(object_id)
         return obj.shared_with if obj is not None else frozenset()
 
+    def set_record_pending(self, object_id: str, pending: bool) -> None:
+        """The embedding client says whether this object's GPUObject is still waiting to be recorded.
+
+        Why: an object put during an API outage is referenced by a live handle but described by no
+        GPUObject until its create lands; the inventory says so, and the audit then never reclaims it."""
+        if pending:
+            self._record_pending.add(object_id)
+        else:
+            self._record_pending.discard(object_id)
+
     def inventory_objects(self) -> list[dict[str, Any]]:
         now = self._clock()
         out = []
@@ -654,6 +668,7 @@ class ObjectStore:
                     "inflightReads": self.tickets.inflight(object_id=obj.object_id),
                     "key": obj.key,
                     "freeing": obj.freeing is not None,
+                    "recordPending": obj.object_id in self._record_pending,
                 }
             )
             out.append(item)

@@ -184,6 +184,9 @@ class InventoryItem:
     key: str | None = None
     inflight_reads: int = 0
     freeing: bool = False
+    # Its GPUObject is queued in this process's write-behind and not recorded yet (an API outage, say):
+    # referenced by a live handle, so the audit never reclaims it (operator/gpuobj_operator/audit.py).
+    record_pending: bool = False
     tensors: tuple[TensorLayout, ...] = ()
 
     @classmethod
@@ -197,6 +200,7 @@ class InventoryItem:
             key=o.get("key"),
             inflight_reads=int(o.get("inflightReads", 0)),
             freeing=bool(o.get("freeing", False)),
+            record_pending=bool(o.get("recordPending", False)),
             tensors=tuple(TensorLayout.from_json(t, "tensor") for t in o.get("tensors", [])),
         )
 

@@ -123,7 +123,8 @@ class ClientCore:
         self._http: Any = None  # aiohttp session for hand-off releases, made on first use
         self.wb: WriteBehind | None = None
         if write_behind is not None:
-            self.wb = WriteBehind(kube, free_local=self.free_local, **write_behind)
+            pending = getattr(agent, "set_record_pending", None)  # our own in-process agent tells the audit
+            self.wb = WriteBehind(kube, free_local=self.free_local, on_record_pending=pending, **write_behind)
 
     @classmethod
     async def create(cls, kube_config: KubeConfig, **kwargs: Any) -> ClientCore:

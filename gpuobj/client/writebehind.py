@@ -141,9 +141,13 @@ class WriteBehind:
         backpressure_timeout: float = 30.0,
         forbidden_grace: float = FORBIDDEN_GRACE,
         clock: Callable[[], float] = time.monotonic,
+        on_record_pending: Callable[[str, bool], None] | None = None,
     ) -> None:
+        """``on_record_pending(object_id, pending)``: told when an object's create is queued (True) and
+        when it landed, was taken back or failed (False): the local agent's inventory says so."""
         self.kube = kube
         self.free_local = free_local
+        self.on_record_pending = on_record_pending or (lambda object_id, pending: None)
         self.window = window
         self.max_pending = max_pending
         self.backpressure_timeout = backpressure_timeout
@@ -207,6 +211,7 @@ class WriteBehind:
         rec = Record("object", namespace, name)
         self._add(fam, rec)
         self._queue(fam, Write("create", rec, body))
+        self.on_record_pending(object_id, True)
         return rec
 
     async def create_claim(self, namespace: str, object_name: str, claim_name: str, body: dict) -> Record:
@@ -232,6 +237,8 @@ class WriteBehind:
         self._index[(rec.kind, rec.namespace, rec.name)] = fam
 
     def _forget(self, fam: Family) -> None:
+        if fam.object_id is not None:
+            self.on_record_pending(fam.object_id, False)  # landed, taken back or failed: nothing waits
         if self.families.get((fam.namespace, fam.object_name)) is fam:
             del self.families[(fam.namespace, fam.object_name)]
         for rec in fam.records.values():
@@ -336,6 +343,8 @@ class WriteBehind:
             self._landed(w)
         fam.writes.clear()
         rec = fam.object_record
+        if fam.object_id is not None:
+            self.on_record_pending(fam.object_id, False)  # it never will be recorded
         if fam.object_id is not None and rec is not None and not rec.created:
             with contextlib.suppress(Exception):
                 await self.free_local(fam.object_id)
@@ -417,6 +426,8 @@ class WriteBehind:
                     raise
             rec.uid = created["metadata"]["uid"]
             rec.created = True
+            if rec.kind == "object" and fam.object_id is not None:
+                self.on_record_pending(fam.object_id, False)  # described by a GPUObject from now on
         else:
             try:
                 await self.kube.delete(res, rec.name, rec.namespace, uid=rec.uid or None)

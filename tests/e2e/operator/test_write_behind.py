@@ -152,3 +152,46 @@ def test_a_process_killed_inside_the_window_leaves_nothing_after_the_audit(
     agent_http.assert_holds_nothing(pods.endpoint("src"), token_file)
     agent_http.assert_holds_nothing(pods.endpoint("reader"), token_file)
     assert_api_empty(gpuobj_cluster, namespace)
+
+
+def test_an_outage_longer_than_the_leak_grace_never_lets_the_audit_free_a_live_object(
+    gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file, tmp_path
+) -> None:
+    """The client cannot reach the API server, the operator can: the put's GPUObject waits in the client's
+    queue past --leak-grace (2 s here) while the operator audits the agent. Its inventory says the record is
+    pending, so the audit counts the bytes but never frees them; once the API answers, the record lands."""
+    proxy = TcpProxy(*server_address(gpuobj_cluster.kubeconfig)).up()
+    try:
+        pods.workload("src")
+        pods.extra_env["src"] = {
+            "KUBECONFIG": str(proxy.kubeconfig(pods.credentials["src"].kubeconfig, tmp_path / "via-proxy")),
+            "GPUOBJ_WRITE_WINDOW": "0",  # record at once: no elision
+        }
+        src = pods.restart_process("src")
+        proxy.down()  # for this client only
+        src.run(f"ref = client.put([{ARANGE.format(n=1024)}], name='late')")
+
+        def inventory() -> list[dict]:
+            return agent_http.inventory(pods.endpoint("src"), token_file)["objects"]
+
+        assert [o["recordPending"] for o in inventory()] == [True]
+        audited = operator.metric("gpuobj_audit_runs_total", {"result": "ok"})
+        # Past the grace, and audited twice more after that: a reclaim would have happened by now.
+        wait_until(lambda: all(o["ageSeconds"] > 3 for o in inventory()), "the object to outlive the grace", 30)
+        wait_until(lambda: operator.metric("gpuobj_audit_runs_total", {"result": "ok"}) >= audited + 8, "audits", 30)
+        assert [o["recordPending"] for o in inventory()] == [True]  # still held, still waiting
+        assert operator.metric("gpuobj_reclaimed_bytes_total") == 0
+        operator.wait_metric("gpuobj_leaked_bytes", None, 4096)  # past the grace it shows, though
+        proxy.up()
+        src.run("client.flush(60)")
+        assert [o["recordPending"] for o in inventory()] == [False]
+        wait_object(gpuobj_cluster, namespace, "late", lambda o: o is not None)
+        assert src.eval(f"bool(torch.equal(client.fetch(ref)[0], {ARANGE.format(n=1024)}))")
+        src.run("ref.release(); client.flush(60)")
+        wait_object(gpuobj_cluster, namespace, "late", lambda o: o is None)
+        agent_http.assert_holds_nothing(pods.endpoint("src"), token_file)
+        operator.wait_metric("gpuobj_leaked_bytes", None, 0)
+        assert operator.metric("gpuobj_reclaimed_bytes_total") == 0
+        assert_api_empty(gpuobj_cluster, namespace)
+    finally:
+        proxy.close()

@@ -147,6 +147,41 @@ def test_an_outage_applies_backpressure_with_a_clear_error_and_loses_no_write() 
     run(go())
 
 
+def test_the_local_agent_hears_while_an_objects_record_waits_and_when_it_no_longer_does() -> None:
+    """Pending from the put until its create lands, is taken back (elided) or is refused for good."""
+
+    async def go():
+        api, pending = ScriptedApi(), {}
+
+        async def free(object_id: str) -> None:
+            pass
+
+        def note(object_id: str, waiting: bool) -> None:
+            pending[object_id] = waiting
+
+        api.down = True
+        wb = WriteBehind(api, free_local=free, window=0.0, on_record_pending=note)
+        await wb.create_object("ns", "landed", body("landed"), "id-landed")
+        await asyncio.sleep(0.05)  # tried and refused: still waiting
+        assert pending == {"id-landed": True}
+        api.down = False
+        await wb.flush(10)
+        assert pending == {"id-landed": False}
+        elided = WriteBehind(api, free_local=free, window=30.0, on_record_pending=note)
+        await elided.create_object("ns", "short", body("short"), "id-short")
+        assert pending["id-short"] is True
+        elided.release("object", "ns", "short")  # inside the window: never written
+        assert pending["id-short"] is False
+        api.refuse_creates = True
+        await wb.create_object("ns", "refused", body("refused"), "id-refused")
+        await wb.flush(10)
+        assert pending["id-refused"] is False  # it never will be recorded (and its bytes were freed)
+        await wb.close()
+        await elided.close()
+
+    run(go())
+
+
 def test_a_create_the_api_refuses_frees_the_bytes_and_says_why() -> None:
     async def go():
         api, freed = ScriptedApi(), []

@@ -37,6 +37,24 @@ def test_an_out_of_scope_object_still_held_past_the_grace_period_is_leaked_but_n
     assert findings.reclaim == []  # its GPUObject still describes it: the free path owns it
 
 
+def test_an_object_whose_record_is_still_queued_is_never_reclaimed_and_counts_only_past_the_grace() -> None:
+    """An API outage longer than the grace: the put's GPUObject waits in its process's write-behind."""
+    p = pod()
+    ledger = synced_ledger(p)
+    answer = {
+        "podUID": p.uid,
+        "objects": [
+            {"id": "queued-young", "bytes": 10, "ageSeconds": 3.0, "recordPending": True},
+            {"id": "queued-old", "bytes": 20, "ageSeconds": 40.0, "recordPending": True},
+            {"id": "orphan-old", "bytes": 40, "ageSeconds": 40.0},
+        ],
+    }
+    items = Inventory.from_json(answer).objects
+    findings = evaluate(ledger, p, items, {}, settle_seconds=1, grace_seconds=30, pending_free_age={})
+    assert [i.id for i in findings.reclaim] == ["orphan-old"]  # never one with a live handle
+    assert findings.leaked_bytes == 20 + 40  # the young queued one may yet land: not counted
+
+
 def test_objects_the_agent_no_longer_holds_are_missing_but_only_those_expected_before_asking() -> None:
     p = pod()
     ledger = synced_ledger(p, obj("a", uid="ua"), obj("b", uid="ub"))
