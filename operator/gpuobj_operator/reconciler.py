@@ -116,6 +116,9 @@ class Reconciler:
         self.namespace = namespace
         self._tasks: list[asyncio.Task] = []
         self._freed: set[str] = set()  # uids freed and awaiting their DELETED event
+        # uid -> (the agent's answer, asked at, answered at): freed on the agent, its finalizer not removed
+        # yet. A retry goes straight to the finalizer, and counts and reports the free that happened.
+        self._agent_freed: dict[str, tuple[Any, float, float]] = {}
         self._stream_status_interval = 1.0
         self.status_delay = status_delay
         self._status_due: dict[tuple[str, Key], float] = {}
@@ -205,6 +208,7 @@ class Reconciler:
         now = time.monotonic()
         if event_type == "DELETED":
             self._freed.discard(info.uid)
+            self._agent_freed.pop(info.uid, None)
             self._status_due.pop(("object", info.key), None)
             self.enqueue(self.ledger.remove_object(info))
         else:
@@ -351,6 +355,9 @@ class Reconciler:
         if a.uid in self._freed:
             return  # freed already; the DELETED event is on its way
         self._must_lead()
+        if a.uid in self._agent_freed:  # freed on the agent by an earlier try; only the finalizer failed
+            await self._finish_free(a, *self._agent_freed[a.uid])
+            return
         decided = time.monotonic()
         # 1. Re-check the claims: a claim made just before the deletion may not be in the ledger yet
         # (two watches). See claimcheck.py: none needed once the in-order claims watch has passed the
@@ -384,9 +391,8 @@ class Reconciler:
         started = time.monotonic()
         try:
             result = await self.agents.free(a.endpoint, a.object_id, reason=a.reason, pod_uid=a.pod_uid)
-            outcome = "freed" if result.freed else "noop"
         except AgentGone:
-            outcome, result = "agent-gone", None
+            result = None
         except AgentError as exc:
             self.metrics.free_failures.labels(f"agent-{exc.status}").inc()
             self._emit("GPUObject", a.key, a.uid, "Warning", "FreeFailed", f"agent at {a.endpoint}: {exc.message}")
@@ -395,10 +401,16 @@ class Reconciler:
             self.metrics.free_failures.labels("unreachable").inc()
             raise RetryLater(f"agent at {a.endpoint} unreachable: {exc}") from exc
         acked = time.monotonic()
-        # 3. Let the API server finish the deletion.
+        self._agent_freed[a.uid] = (result, started, acked)
+        await self._finish_free(a, result, started, acked)
+
+    async def _finish_free(self, a: Free, result: Any, started: float, acked: float) -> None:
+        """3. Let the API server finish the deletion; then count and announce the free, once."""
+        outcome = "agent-gone" if result is None else ("freed" if result.freed else "noop")
         current = self.ledger.objects.get(a.key)
         known = current.finalizers if current is not None and current.uid == a.uid else None
         await self._remove_finalizer(GPUOBJECTS, a.key, a.uid, known)
+        self._agent_freed.pop(a.uid, None)
         self._freed.add(a.uid)
         gone_at = self.ledger.ref_gone_at.pop(a.key, started)
         latency = acked - gone_at

@@ -23,7 +23,7 @@ from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.operator import OperatorProcess
 from gpuobj_dev.testing.records import user_claims
 from gpuobj_dev.testing.waits import wait_until
-from gpuobj_kube.client import CLAIMS, GPUOBJECTS, KubeClient, wait_for
+from gpuobj_kube.client import CLAIMS, GPUOBJECTS, ApiTimeout, KubeClient, wait_for
 from gpuobj_kube.config import from_kubeconfig
 from gpuobj_operator.actions import Free
 from gpuobj_operator.agent_client import AgentClient
@@ -183,3 +183,52 @@ def test_an_owner_last_free_learns_every_claim_from_the_progress_marker_and_read
         rc = op.stop()
     assert rc == 0, op.output()
     assert "forbidden" not in op.output().lower()
+
+
+def test_a_free_whose_finalizer_removal_failed_is_finished_by_its_retry_and_counted_once(
+    gpuobj_cluster: ClusterHandle, namespace: str, pods: Pods, token_file: Path
+) -> None:
+    """The agent freed the bytes, then the API timed out removing the finalizer: the retry only removes
+    the finalizer, and the free is counted and announced as freed (not as a no-op of a second free)."""
+    src = pods.workload("src")
+    src.run(f"ref = client.put([{ARANGE}], name='f'); client.flush(); ref.release(); client.flush()")
+
+    async def scenario() -> None:
+        async with KubeClient(from_kubeconfig(token_file.with_name("kubeconfig"))) as api:
+            agents = AgentClient(token_file)
+            box: list[Reconciler] = []
+            r = Reconciler(
+                api,
+                agents,
+                OperatorMetrics(lambda: box[0].ledger),
+                EventRecorder(api, "gpuobj-operator", "test"),
+                namespace=namespace,
+                allow_agent_host_annotation=True,
+            )
+            box.append(r)
+            patch, failures = api.patch, []
+
+            async def times_out_once(*args, **kwargs):
+                if not failures:
+                    failures.append(args)
+                    raise ApiTimeout(0, "Timeout", "no answer from the API server (injected)")
+                return await patch(*args, **kwargs)
+
+            try:
+                await r.sync()
+                (free,) = [a for a in decide(r.ledger, "object", (namespace, "f"), dt.datetime.now(dt.UTC))
+                           if isinstance(a, Free)]  # fmt: skip
+                api.patch = times_out_once  # type: ignore[method-assign]
+                with pytest.raises(ApiTimeout):
+                    await r.execute(free)  # freed on the agent; the finalizer stays
+                assert agent_http.inventory(pods.endpoint("src"), token_file)["objects"] == []
+                assert (await api.get(GPUOBJECTS, "f", namespace))["metadata"]["finalizers"]
+                await r.execute(free)  # the retry
+                await wait_for(api, GPUOBJECTS, "f", namespace, lambda o: o is None, timeout=30)
+                frees = {s.labels["result"]: s.value for s in r.metrics.frees.collect()[0].samples if s.name == m.FREES}
+                assert frees["freed"] == 1 and frees["noop"] == 0, frees
+            finally:
+                await agents.close()
+
+    asyncio.run(scenario())
+    agent_http.assert_holds_nothing(pods.endpoint("src"), token_file)
