@@ -317,7 +317,6 @@ async def lead(
         reconciler.claims_read_delay = 0.005  # nothing else moves the watch on: read soon
     if args.claims_progress_marker:
         marker_namespace = args.namespace or args.lease_namespace
-        reconciler.marker_key = (marker_namespace, names.CLAIMS_PROGRESS_MARKER)
         reconciler.progress_marker = ProgressMarker(
             claims.watermark,
             marker_writer(kube, marker_namespace),

@@ -79,7 +79,6 @@ class Reconciler:
     claims_watermark: claimcheck.Watermark | None = None
     # Written to move that watch past a deletion no claim event follows (progress_marker.py); None: reads only.
     progress_marker: ProgressMarker | None = None
-    marker_key: Key | None = None  # the marker claim: kept out of the ledger and out of every read
     claims_read_delay = 0.05  # seconds a free waits for that watch before it also reads, while reads are slow
     _claims_reads: claimcheck.ReadDelay | None = None
 
@@ -215,10 +214,11 @@ class Reconciler:
             # A deletion (the owner's reference went) is the free lane: ahead of status work.
             self.enqueue(self.ledger.upsert_object(info, now), urgent=info.deleting)
 
-    def is_marker(self, raw: dict) -> bool:
-        """The operator's own progress marker: a claim that holds nothing (progress_marker.py)."""
-        meta = raw.get("metadata", {})
-        return self.marker_key is not None and (meta.get("namespace", ""), meta.get("name")) == self.marker_key
+    @staticmethod
+    def is_marker(raw: dict) -> bool:
+        """A progress marker (progress_marker.py): a claim of that name is never a reference, in any
+        namespace (admission lets any ServiceAccount create one in its shape: it must grant nothing)."""
+        return raw.get("metadata", {}).get("name") == names.CLAIMS_PROGRESS_MARKER
 
     def on_claim(self, event_type: str | None, raw: dict) -> None:
         if self.is_marker(raw):

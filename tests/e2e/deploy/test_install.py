@@ -20,6 +20,8 @@ import yaml
 from gpuobj_contract import names
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.operator import OperatorProcess
+from gpuobj_dev.testing.records import user_records
+from gpuobj_dev.testing.waits import wait_until
 from tests.e2e.deploy.support import (
     ALL_FEATURES,
     CHART,
@@ -272,7 +274,8 @@ def test_uninstall_with_keep_false_deletes_the_crds(
     gpuobj_cluster: ClusterHandle, namespaces: Callable[..., str], crds_restored: None
 ) -> None:
     k, helm = gpuobj_cluster.kubectl, gpuobj_cluster.helm
-    others = k("get", "gpuobjects,gpuobjectclaims,gpuobjectstreams", "-A", "-o", "name").stdout.split()
+    # (An operator's progress marker holds nothing: it may go with the CRDs.)
+    others = user_records(k("get", "gpuobjects,gpuobjectclaims,gpuobjectstreams", "-A", "-o", "name").stdout)
     if others:
         pytest.skip(f"deleting the CRDs would destroy objects other tests left behind: {others[:5]}")
     ns = namespaces("gpuobj-nokeep")
@@ -425,19 +428,24 @@ def test_operator_service_account_is_allowed_what_it_needs_and_denied_the_rest(
 def test_the_operator_may_create_its_progress_marker_and_no_other_claim(
     gpuobj_cluster: ClusterHandle, rbac_release: dict[str, str]
 ) -> None:
-    """RBAC lets it create claims in its namespace; admission lets it create only the marker, by name."""
+    """RBAC lets it create claims in its namespace only; admission exempts the marker's shape and no other claim."""
     r = rbac_release
 
-    def create(name: str, namespace: str) -> subprocess.CompletedProcess:
+    def create(name: str, namespace: str, **spec: object) -> subprocess.CompletedProcess:
         claim = {"apiVersion": names.API_VERSION, "kind": names.KIND_CLAIM,
-                 "metadata": {"name": name, "namespace": namespace}, "spec": {"objectName": name}}  # fmt: skip
+                 "metadata": {"name": name, "namespace": namespace}, "spec": {"objectName": name, **spec}}  # fmt: skip
         return gpuobj_cluster.kubectl(
             "create", "--dry-run=server", "-f", "-", "--as", r["operator"], input=json.dumps(claim), check=False
         )
 
+    # Any other claim is refused (once the release's policy is in force: policies load asynchronously).
+    other = wait_until(
+        lambda: (p := create("not-the-marker", r["ns"])).returncode != 0 and p, "the claims policy in force", 30
+    )
+    assert "claims-for-self-or-as-the-sharer" in other.stderr, other.stderr
     assert create(names.CLAIMS_PROGRESS_MARKER, r["ns"]).returncode == 0
-    other = create("not-the-marker", r["ns"])
-    assert other.returncode != 0 and "claims-for-self-or-as-the-sharer" in other.stderr, other.stderr
+    with_holder = create(names.CLAIMS_PROGRESS_MARKER, r["ns"], holder={"podName": "someone"})
+    assert with_holder.returncode != 0 and "claims-for-self-or-as-the-sharer" in with_holder.stderr
     elsewhere = create(names.CLAIMS_PROGRESS_MARKER, r["workload_ns"])
     assert elsewhere.returncode != 0 and "forbidden" in elsewhere.stderr.lower(), elsewhere.stderr
 
