@@ -39,6 +39,21 @@ pytestmark = pytest.mark.nixl
 ARANGE = "torch.arange(4096, dtype=torch.float32)"
 
 
+def operators_free_path(api: KubeClient, agents: AgentClient, namespace: str) -> Reconciler:
+    """The operator's reconciler, driven by the test (no workers, watches or lease), as its ServiceAccount."""
+    box: list[Reconciler] = []
+    r = Reconciler(
+        api,
+        agents,
+        OperatorMetrics(lambda: box[0].ledger),
+        EventRecorder(api, "gpuobj-operator", "test"),
+        namespace=namespace,
+        allow_agent_host_annotation=True,
+    )
+    box.append(r)
+    return r
+
+
 def test_the_free_path_sees_a_claim_made_before_the_deletion_that_its_watch_has_not_delivered(
     gpuobj_cluster: ClusterHandle, namespace: str, pods: Pods, token_file: Path
 ) -> None:
@@ -49,16 +64,7 @@ def test_the_free_path_sees_a_claim_made_before_the_deletion_that_its_watch_has_
     async def scenario() -> None:
         async with KubeClient(from_kubeconfig(token_file.with_name("kubeconfig"))) as api:
             agents = AgentClient(token_file)
-            box: list[Reconciler] = []
-            r = Reconciler(
-                api,
-                agents,
-                OperatorMetrics(lambda: box[0].ledger),
-                EventRecorder(api, "gpuobj-operator", "test"),
-                namespace=namespace,
-                allow_agent_host_annotation=True,
-            )
-            box.append(r)
+            r = operators_free_path(api, agents, namespace)
             mark = r.claims_watermark = Watermark()
             try:
                 await r.sync()
@@ -196,16 +202,7 @@ def test_a_free_whose_finalizer_removal_failed_is_finished_by_its_retry_and_coun
     async def scenario() -> None:
         async with KubeClient(from_kubeconfig(token_file.with_name("kubeconfig"))) as api:
             agents = AgentClient(token_file)
-            box: list[Reconciler] = []
-            r = Reconciler(
-                api,
-                agents,
-                OperatorMetrics(lambda: box[0].ledger),
-                EventRecorder(api, "gpuobj-operator", "test"),
-                namespace=namespace,
-                allow_agent_host_annotation=True,
-            )
-            box.append(r)
+            r = operators_free_path(api, agents, namespace)
             patch, failures = api.patch, []
 
             async def times_out_once(*args, **kwargs):
