@@ -69,11 +69,22 @@ class TcpProxy:
     def down(self) -> None:
         self._call(self._down())
 
+    async def _cancel_connections(self) -> None:
+        """Every connection's task: cancelled and awaited, so none outlives the proxy."""
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.down()
+        with contextlib.suppress(Exception):
+            self._call(self._cancel_connections())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+        if not self._thread.is_alive():
+            self.loop.close()
 
     def kubeconfig(self, original: Path, out: Path) -> Path:
         """A copy of `original` whose server is this proxy (same host IP, so TLS still verifies)."""
