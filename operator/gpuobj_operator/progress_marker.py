@@ -51,7 +51,6 @@ class ProgressMarker:
         self._wanted: int | None = None  # the highest version a free waits for the watch to pass
         self._written: int | None = None  # the version of the last write: the watch passes it soon
         self._wake = asyncio.Event()
-        self.writes = 0
 
     def request(self, rv: str) -> None:
         """A free waits for the claims watch to pass ``rv``: write the marker unless it already has."""
@@ -91,7 +90,6 @@ class ProgressMarker:
                 self._wake.set()
                 continue
             delay = self.retry_min
-            self.writes += 1
             self._written = max(written, self._written or 0)
             self._on_write(True)
             if self._pending() is not None:  # asked for while this write was under way, for a newer version
