@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import tomllib
@@ -106,13 +107,24 @@ def _go() -> str:
     return go
 
 
-def _go_env(home: Path) -> dict[str, str]:
+def _go_env(scratch: Path) -> dict[str, str]:
+    """Go's build and module caches live in `scratch`, which the caller removes after the build:
+    only the binaries are kept (Go's default caches grow to several GB and nothing reuses them)."""
     env = dict(os.environ)
     env.setdefault("GOFLAGS", "-buildvcs=false")
     env["CGO_ENABLED"] = "0"
     env["GOTOOLCHAIN"] = env.get("GOTOOLCHAIN", "local")
-    # Build artefacts are throwaway; keep Go's own caches where Go keeps them.
+    env["GOCACHE"] = str(scratch / "go-build")
+    env["GOMODCACHE"] = str(scratch / "go-mod")
     return env
+
+
+def _remove_scratch(scratch: Path) -> None:
+    """The module cache is read-only by design; make it writable, then remove everything."""
+    for root, dirs, _files in os.walk(scratch):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o755)
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _run(cmd: list[str], cwd: Path, label: str, env: dict[str, str]) -> str:
@@ -198,7 +210,7 @@ def _ldflags(tool: Tool, gomod: str = "") -> str:
     return "-s -w"
 
 
-def build(tool: Tool) -> None:
+def build(tool: Tool, scratch: Path) -> None:
     """Generate a tiny module pinning the tool, then go build its missing main packages into the cache.
 
     Binaries are built one by one under a temporary name and renamed into place, so a binary added to
@@ -209,7 +221,7 @@ def build(tool: Tool) -> None:
     shutil.rmtree(src, ignore_errors=True)
     shutil.rmtree(tool.home / "bin.partial", ignore_errors=True)  # left by older recipes
     src.mkdir(parents=True)
-    env = _go_env(tool.home)
+    env = _go_env(scratch)
     started = time.monotonic()
     missing = [
         (pkg, name)
@@ -253,11 +265,16 @@ def ensure(names: list[str] | tuple[str, ...] = ALL_TOOLS) -> dict[str, Path]:
     if unknown:
         raise ToolchainError(f"unknown tools {unknown}; versions.toml defines {sorted(tools)}")
     paths: dict[str, Path] = {}
-    for name in names:
-        tool = tools[name]
-        if not tool.is_built():
-            build(tool)
-        paths.update(tool.binaries())
+    CACHE_ROOT.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="go-scratch-", dir=CACHE_ROOT))
+    try:
+        for name in names:
+            tool = tools[name]
+            if not tool.is_built():
+                build(tool, scratch)
+            paths.update(tool.binaries())
+    finally:
+        _remove_scratch(scratch)
     return paths
 
 
