@@ -44,7 +44,10 @@ OPERATOR_IMAGE = "localhost/gpuobj-operator:dev"
 AGENT_IMAGE = "localhost/gpuobj-agent:dev"
 PAUSE_IMAGE = "localhost/gpuobj-pause:dev"
 TARGETS = {"operator": OPERATOR_IMAGE, "agent": AGENT_IMAGE}
-HOST_PACKAGES = ("buildah", "podman", "debootstrap", "skopeo", "uidmap")
+# podman and buildah need an OCI runtime to run a container (a RUN step, `podman run`); with
+# --no-install-recommends apt-get brings none, so runc is named here (the dev node needs it too).
+HOST_PACKAGES = ("buildah", "podman", "debootstrap", "skopeo", "uidmap", "runc")
+HOST_COMMANDS = ("buildah", "podman", "debootstrap", "skopeo", "/usr/sbin/runc")
 
 STANDIN_LABEL = 'org.opencontainers.image.description="gpuobj dev stand-in for {name}, built locally: {what}"'
 
@@ -158,7 +161,7 @@ def check_host() -> str | None:
 
 
 def ensure_host_packages() -> None:
-    hostpkgs.ensure(HOST_PACKAGES, commands=("buildah", "podman", "debootstrap", "skopeo"))
+    hostpkgs.ensure(HOST_PACKAGES, commands=HOST_COMMANDS)
 
 
 # ---------------------------------------------------------------- stand-in bases
