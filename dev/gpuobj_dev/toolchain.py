@@ -123,7 +123,7 @@ def _remove_scratch(scratch: Path) -> None:
     """The module cache is read-only by design; make it writable, then remove everything."""
     for root, dirs, _files in os.walk(scratch):
         for d in dirs:
-            os.chmod(os.path.join(root, d), 0o755)
+            (Path(root) / d).chmod(0o755)
     shutil.rmtree(scratch, ignore_errors=True)
 
 
