@@ -22,6 +22,7 @@ import contextlib
 import logging
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,9 @@ ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")  # fullmatch: "$" would let a trail
 READ_END_PREFIX = api.READ_END_NOTIF_PREFIX.encode()
 NOTIFY_POLL_SECONDS = 0.001
 STREAM_RE = re.compile(r"[A-Za-z0-9._-]{1,253}")
+# Freed objects that granted other namespaces (spec.sharedWith) are remembered, this many at most, so
+# that a granted reader of another namespace hears "not found" (404), not "may not read" (403).
+FREED_GRANTS_KEPT = 4096
 
 
 def check_id(object_id: Any, what: str = "object id") -> str:
@@ -145,6 +149,7 @@ class ObjectStore:
         # Objects whose GPUObject the embedding client has queued but not recorded yet (its write-behind);
         # set from the client's thread (single set operations: atomic under the GIL).
         self._record_pending: set[str] = set()
+        self._freed_grants: OrderedDict[str, frozenset[str]] = OrderedDict()  # object id -> sharedWith, bounded
         self.tickets_changed = asyncio.Condition()
         self.closing = False
         self._issued = asyncio.Event()
@@ -600,6 +605,10 @@ class ObjectStore:
                     self.nixl.gens.get(gid).migrated.discard(obj.object_id)
             self.objects.pop(obj.object_id, None)
             self._record_pending.discard(obj.object_id)
+            if obj.shared_with:
+                self._freed_grants[obj.object_id] = obj.shared_with
+                if len(self._freed_grants) > FREED_GRANTS_KEPT:
+                    self._freed_grants.popitem(last=False)
             members = self.nixl.members.get(obj.gid)
             if members is not None:
                 members.discard(obj.object_id)
@@ -642,9 +651,10 @@ class ObjectStore:
         return obj.describe()
 
     def shared_with(self, object_id: str) -> frozenset[str]:
-        """Namespaces besides the source's own whose pods may read `object_id` (none if it is unknown)."""
+        """Namespaces besides the source's own whose pods may read `object_id` (none if it is unknown;
+        those it granted if it was freed lately, so that a granted reader learns it is gone)."""
         obj = self.objects.get(object_id)
-        return obj.shared_with if obj is not None else frozenset()
+        return obj.shared_with if obj is not None else self._freed_grants.get(object_id, frozenset())
 
     def set_record_pending(self, object_id: str, pending: bool) -> None:
         """The embedding client says whether this object's GPUObject is still waiting to be recorded.

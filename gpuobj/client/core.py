@@ -90,6 +90,13 @@ def _source_may_be_gone(exc: BaseException) -> bool:
     return isinstance(exc, SourceUnavailable | ObjectGone)
 
 
+def _read_refused(exc: BaseException) -> bool:
+    """The source agent refused this reader (403): a question of spec.sharedWith, not of RBAC."""
+    from gpuobj_agent.errors import ReadRefused
+
+    return isinstance(exc, ReadRefused)
+
+
 class ClientCore:
     """Everything a client does, as coroutines on one loop; create it on that loop (`create`)."""
 
@@ -124,7 +131,9 @@ class ClientCore:
         self.wb: WriteBehind | None = None
         if write_behind is not None:
             pending = getattr(agent, "set_record_pending", None)  # our own in-process agent tells the audit
-            self.wb = WriteBehind(kube, free_local=self.free_local, on_record_pending=pending, **write_behind)
+            self.wb = WriteBehind(
+                kube, free_local=self.free_local, on_record_pending=pending, pod_uid=self._pod_uid, **write_behind
+            )
 
     @classmethod
     async def create(cls, kube_config: KubeConfig, **kwargs: Any) -> ClientCore:
@@ -219,7 +228,8 @@ class ClientCore:
                 self.namespace,
             )
         except BaseException:
-            # The write failed: nothing in the API references these bytes, so free them now (seed 003).
+            # The write failed: nothing in the API references these bytes, so free them now
+            # (docs/design.md, "streamed-item leak").
             with contextlib.suppress(Exception):
                 await self.agent.afree(object_id)
             raise
@@ -288,6 +298,10 @@ class ClientCore:
                 await self.release(ref)  # a read-once hand-off: its one read is done
             return tensors
         except Exception as exc:
+            if address.namespace != self.namespace or _read_refused(exc):
+                # Across namespaces this pod may not read the GPUObject in the API (RBAC): the source
+                # agent's answer is all there is to say why, and it is enough.
+                raise self._agent_answer_error(address, exc) from exc
             # Say why: a Lost object (source gone) reads differently from a freed one.
             deadline = time.monotonic() + (LOST_WAIT if _source_may_be_gone(exc) else 0.0)
             while True:
@@ -317,6 +331,25 @@ class ClientCore:
         finally:
             if claim is not None:
                 self.releases.end_read(claim)
+
+    def _agent_answer_error(self, address: ObjectAddress, exc: BaseException) -> errors.GpuObjError:
+        """The GpuObjError for a failed read, from the source agent's answer alone (no API read)."""
+        from gpuobj_agent.errors import ObjectGone, SourceUnavailable
+
+        what = f"GPUObject {address.namespace}/{address.name}"
+        if _read_refused(exc):
+            return errors.PermissionDeniedError(
+                f"fetch {what}: the source agent refused pod {self.namespace}/{self.pod_name} ({exc}). A GPUObject is"
+                f" readable from its own namespace and from the namespaces its spec.sharedWith names: the owner"
+                f" puts it with shared_with=[{self.namespace!r}] (docs/workload-pods.md)"
+            )
+        if isinstance(exc, ObjectGone):
+            return ObjectNotFoundError(
+                f"{what} no longer exists at its source (freed, or lost with its process): {exc}"
+            )
+        if isinstance(exc, SourceUnavailable):
+            return ObjectLostError(f"{what} is Lost: its source agent {address.source_endpoint} is gone ({exc})")
+        return FetchError(f"fetching {what} from {address.source_endpoint} failed: {exc}")
 
     # ------------------------------------------------------------ claims: borrow, share, adopt
 
@@ -391,12 +424,16 @@ class ClientCore:
         read_once: bool = False,
     ) -> SharedRef:
         address = live_address(ref, "share")
-        if pod_uid is None:
-            pod_uid = await self._pod_uid(address.namespace, pod_name)
         if self.wb is not None:
-            body = self._claim_body(address, pod_name, pod_uid, incarnation, ttl)
+            # No API read on the caller's path: an unknown receiver uid is read by the queue, just
+            # before the claim's create (so a share during an API outage is queued like a put).
+            if pod_uid is None:
+                pod_uid = self._cached_pod_uid(address.namespace, pod_name)
+            body = self._claim_body(address, pod_name, pod_uid or "", incarnation, ttl)
             name = body["metadata"]["name"]
-            await self.wb.create_claim(address.namespace, address.name, name, body)
+            await self.wb.create_claim(
+                address.namespace, address.name, name, body, owner_pod=None if pod_uid else pod_name
+            )
             grant = None
             if address.source_endpoint == self.agent.endpoint:
                 # Our own object: the receiver reads it with no request here (the claim keeps it).
@@ -405,16 +442,22 @@ class ClientCore:
             return SharedRef(
                 address, name, "", pod_name, read_once=read_once, grant=grant, release_via=self.agent.endpoint
             )
+        if pod_uid is None:
+            pod_uid = await self._pod_uid(address.namespace, pod_name)
         created = await self._create_claim(address, pod_name, pod_uid, incarnation, ttl)
         return SharedRef(address, created["metadata"]["name"], created["metadata"]["uid"], pod_name, read_once)
+
+    def _cached_pod_uid(self, namespace: str, pod_name: str) -> str | None:
+        cached = self._pod_uids.get((namespace, pod_name))
+        return cached[0] if cached and time.monotonic() - cached[1] < POD_UID_TTL else None
 
     async def _pod_uid(self, namespace: str, pod_name: str) -> str:
         """The receiver's current incarnation, cached briefly: a claim made for an incarnation that has
         since died is garbage-collected with it, which is right, since that receiver can no longer adopt it."""
         now = time.monotonic()
-        cached = self._pod_uids.get((namespace, pod_name))
-        if cached and now - cached[1] < POD_UID_TTL:
-            return cached[0]
+        cached = self._cached_pod_uid(namespace, pod_name)
+        if cached:
+            return cached
         try:
             uid = (await self.kube.get(PODS, pod_name, namespace))["metadata"]["uid"]
         except NotFound:
