@@ -33,6 +33,7 @@ from gpuobj.client.writebehind import WriteBehind
 from gpuobj_agent.layouts import layout_of
 from gpuobj_contract import agent_api as api
 from gpuobj_contract import names
+from gpuobj_contract import resources as crd
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, Conflict, KubeClient, NotFound
 from gpuobj_kube.config import KubeConfig
 
@@ -147,10 +148,6 @@ class ClientCore:
         """This process's agent incarnation: a sender passes it to ``share`` so the claim dies with us."""
         return getattr(self.agent, "incarnation", None)
 
-    def _incarnation_field(self, incarnation: str | None = None) -> dict:
-        value = incarnation or self.incarnation
-        return {"incarnation": value} if value else {}
-
     def token(self) -> str | None:
         return self.token_file.read_text().strip() if self.token_file else None
 
@@ -172,15 +169,10 @@ class ClientCore:
             "labels": {names.LABEL_SOURCE_POD: self.pod_name, **(labels or {})},
             "annotations": {names.ANNOTATION_SOURCE_ENDPOINT: self.agent.endpoint},
         }
-        spec: dict = {
-            "source": {"podName": self.pod_name, "podUID": self.pod_uid, **self._incarnation_field()},
-            "objectId": object_id,
-            "tensors": [t.to_json() for t in layouts],
-        }
-        if shared_with:
-            spec["sharedWith"] = list(shared_with)
+        item: crd.StreamItem | None = None
         if stream is not None:
             stream_name, index, stream_uid = stream
+            item = crd.StreamItem(stream_name, index)
             meta["labels"][names.LABEL_STREAM] = stream_name
             meta["ownerReferences"] = [
                 {
@@ -190,8 +182,14 @@ class ClientCore:
                     "uid": stream_uid,
                 }
             ]
-            spec["stream"] = {"name": stream_name, "index": index}
-        return {"metadata": meta, "spec": spec}
+        spec = crd.GPUObjectSpec(
+            source=crd.ObjectSource(self.pod_name, pod_uid=self.pod_uid, incarnation=self.incarnation or None),
+            tensors=tuple(crd.TensorSpec.of(t) for t in layouts),
+            object_id=object_id,
+            shared_with=tuple(shared_with),
+            stream=item,
+        )
+        return {"metadata": meta, "spec": spec.to_json()}
 
     async def put(
         self,
@@ -311,19 +309,13 @@ class ClientCore:
                     raise ObjectNotFoundError(
                         f"GPUObject {address.namespace}/{address.name} no longer exists (freed): {exc}"
                     ) from exc
-                if (obj.get("status") or {}).get("state") == names.STATE_LOST or time.monotonic() >= deadline:
+                status = crd.GPUObjectStatus.from_json(obj.get("status"))
+                if status.state == names.STATE_LOST or time.monotonic() >= deadline:
                     break
                 await asyncio.sleep(0.25)
-            status = obj.get("status") or {}
-            if status.get("state") == names.STATE_LOST:
-                reason = next(
-                    (
-                        c.get("message")
-                        for c in status.get("conditions", [])
-                        if c.get("type") == names.CONDITION_SOURCE_AVAILABLE
-                    ),
-                    "source gone",
-                )
+            if status.state == names.STATE_LOST:
+                condition = status.condition(names.CONDITION_SOURCE_AVAILABLE)
+                reason = condition.message if condition is not None else "source gone"
                 raise ObjectLostError(f"GPUObject {address.namespace}/{address.name} is Lost: {reason}") from exc
             raise FetchError(
                 f"fetching {address.namespace}/{address.name} from {address.source_endpoint} failed: {exc}"
@@ -363,14 +355,13 @@ class ClientCore:
     ) -> dict:
         if ttl is not None and (not isinstance(ttl, int) or ttl < 1):
             raise ValueError(f"ttl must be a whole number of seconds >= 1, not {ttl!r}")
-        spec: dict = {
-            "objectName": address.name,
+        spec = crd.GPUObjectClaimSpec(
+            object_name=address.name,
+            object_uid=address.uid or None,  # else the write-behind pins the uid it created
+            ttl_seconds=ttl or None,
             # Scoped to a process: ours, or the receiver's when the sender knows it.
-            "holder": {"podName": holder_pod, **({"incarnation": incarnation} if incarnation else {})},
-            **({"ttlSeconds": ttl} if ttl else {}),
-        }
-        if address.uid:
-            spec["objectUID"] = address.uid  # else the write-behind pins the uid it created
+            holder=crd.ClaimHolder(holder_pod, incarnation or None),
+        )
         return {
             "metadata": {
                 "name": f"{address.name[:200]}-{holder_pod[:40]}-{_short_id()[:6]}",
@@ -379,7 +370,7 @@ class ClientCore:
                 # On a receiver's behalf: say who shares, so admission can check it is us (docs/security.md).
                 **({"annotations": {names.ANNOTATION_SHARED_BY: self.pod_name}} if holder_pod != self.pod_name else {}),
             },
-            "spec": spec,
+            "spec": spec.to_json(),
         }
 
     async def _create_claim(
@@ -580,7 +571,7 @@ class ClientCore:
                 # If the producer pod goes, so does the stream (and every item with it).
                 "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": self.pod_name, "uid": self.pod_uid}],
             },
-            "spec": {"producer": {"podName": self.pod_name}},
+            "spec": crd.GPUObjectStreamSpec(crd.StreamProducer(self.pod_name)).to_json(),
         }
         created = await self.kube.create(STREAMS, body, self.namespace)
         return created["metadata"]["uid"]
@@ -593,7 +584,8 @@ class ClientCore:
 
     async def advance_stream(self, name: str, consumed: int) -> None:
         """Record the read position (status.consumed): a late report of an item before it is recognisably stale."""
-        await self.kube.patch(STREAMS, name, {"status": {"consumed": consumed}}, self.namespace, subresource="status")
+        status = crd.GPUObjectStreamStatus(consumed=consumed).to_json()
+        await self.kube.patch(STREAMS, name, {"status": status}, self.namespace, subresource="status")
 
     async def delete_item(self, address: ObjectAddress) -> None:
         """Drop a consumed stream item (its GPUObject)."""

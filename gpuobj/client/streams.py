@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from gpuobj.client.errors import StreamClosedError
 from gpuobj.client.handles import ObjectAddress
 from gpuobj_contract import names
-from gpuobj_contract.layouts import parse_layouts
+from gpuobj_contract import resources as crd
 from gpuobj_kube.client import GPUOBJECTS, STREAMS, Gone, Resource, wait_for
 
 if TYPE_CHECKING:
@@ -123,7 +123,8 @@ class StreamReader:
         self._changed = asyncio.Event()
 
         def on_item(obj: dict, deleted: bool) -> None:
-            index = int(((obj.get("spec") or {}).get("stream") or {}).get("index", -1))
+            item = crd.GPUObjectSpec.from_json(obj.get("spec")).stream
+            index = item.index if item is not None else -1
             if deleted or obj["metadata"].get("deletionTimestamp"):
                 self._items.pop(index, None)
             else:
@@ -196,7 +197,7 @@ class StreamReader:
                 raise StreamClosedError(
                     f"stream {self.core.namespace}/{self.name} did not appear within {self.item_timeout:.0f}s"
                 ) from exc
-            self.position = int(((stream or {}).get("status") or {}).get("consumed", 0))
+            self.position = crd.GPUObjectStreamStatus.from_json((stream or {}).get("status")).consumed or 0
         self._start_watches()
         try:
             while True:
@@ -235,16 +236,18 @@ class StreamReader:
 
 
 def _address_of(obj: dict) -> ObjectAddress:
-    meta, spec, status = obj["metadata"], obj["spec"], obj.get("status") or {}
-    endpoint = (status.get("transport") or {}).get("agentEndpoint") or (meta.get("annotations") or {}).get(
+    meta = obj["metadata"]
+    spec = crd.GPUObjectSpec.from_json(obj["spec"])
+    transport = crd.GPUObjectStatus.from_json(obj.get("status")).transport
+    endpoint = (transport.agent_endpoint if transport else None) or (meta.get("annotations") or {}).get(
         names.ANNOTATION_SOURCE_ENDPOINT, ""
     )
     return ObjectAddress(
         meta["namespace"],
         meta["name"],
         meta["uid"],
-        spec["objectId"],
-        spec["source"]["podName"],
+        spec.object_id or "",
+        spec.source.pod_name,
         endpoint,
-        tuple(parse_layouts(spec["tensors"], "spec.tensors", ignore=frozenset({"name"}))),
+        spec.layouts(),
     )
