@@ -377,7 +377,7 @@ class ReadSpan:
             raise ValueError(f"malformed span {item!r}")
         return cls(item[0], item[1], item[2], item[3])
 
-    def to_json(self) -> list:
+    def to_json(self) -> list[Any]:
         return [self.mem, self.dev, self.addr, self.nbytes]
 
 

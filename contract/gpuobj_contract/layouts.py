@@ -36,7 +36,7 @@ DTYPE_BYTES = {
 }
 
 
-def tensor_bytes(tensors: list[dict]) -> int:
+def tensor_bytes(tensors: list[dict[str, Any]]) -> int:
     """Bytes an object's tensors occupy, from shapes and dtypes."""
     return sum(math.prod(t.get("shape", [])) * DTYPE_BYTES[t["dtype"]] for t in tensors)
 

@@ -16,7 +16,6 @@ says so in its metadata. Plain Python, no I/O.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import types
 import typing
 from collections.abc import Mapping
@@ -41,9 +40,15 @@ def json_name(f: dataclasses.Field[Any]) -> str:
     return head + "".join(part.capitalize() for part in rest)
 
 
-@functools.cache
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    """The class's field types, resolved once (annotations are strings under `from __future__`)."""
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
 
 
 def _unwrap_optional(tp: Any) -> Any:
@@ -91,7 +96,7 @@ class Shape:
         data = data or {}
         hints = _hints(cls)
         kwargs = {}
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type,unused-ignore]
             key = json_name(f)
             if key in data:
                 kwargs[f.name] = _decode(hints[f.name], data[key])
@@ -102,7 +107,7 @@ class Shape:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+        for f in dataclasses.fields(self):  # type: ignore[arg-type,unused-ignore]
             value = getattr(self, f.name)
             if value is None or value == ():
                 continue
