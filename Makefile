@@ -17,6 +17,7 @@ demo: setup
 test: setup
 	@$(VENV) -m ruff check .
 	@$(VENV) -c "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+	@$(VENV) -m mypy
 	@$(VENV) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 

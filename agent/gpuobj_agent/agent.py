@@ -31,6 +31,7 @@ from gpuobj_agent.nixl_state import NixlState
 from gpuobj_agent.nixl_transport import NixlAgent
 from gpuobj_agent.server import build_app
 from gpuobj_agent.store import ObjectStore, iso_time
+from gpuobj_contract import agent_api as api
 
 log = logging.getLogger(__name__)
 
@@ -200,13 +201,17 @@ class Agent:
 
     def info(self) -> dict[str, Any]:
         active = self.nixl.gens.active
-        return {
-            **self.identity(),
-            "nixlAgent": active.name if active else None,
-            "nixlAgents": self.nixl.gens.live_names(),
-            "startedAt": iso_time(self.started_wall),
-            "endpoint": self.endpoint,
-        }
+        c = self.config
+        return api.AgentInfo(
+            pod=c.pod_name,
+            namespace=c.namespace,
+            pod_uid=c.pod_uid,
+            incarnation=self.incarnation,
+            nixl_agent=active.name if active else None,
+            nixl_agents=tuple(self.nixl.gens.live_names()),
+            started_at=iso_time(self.started_wall),
+            endpoint=self.endpoint,
+        ).to_json()
 
     def inventory(self) -> dict[str, Any]:
         return {**self.identity(), "objects": self.store.inventory_objects()}

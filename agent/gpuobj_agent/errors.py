@@ -84,6 +84,12 @@ class SourceUnavailable(FetchError):
     """The source agent cannot be reached or its NIXL agent went away."""
 
 
+class ReadRefused(FetchError):
+    """The source agent refused this reader (403): the object is not readable from the reader's namespace."""
+
+    status = 403
+
+
 class ObjectGone(FetchError):
     """The source does not have the object (freed, or never existed): nothing was read."""
 

@@ -7,7 +7,7 @@ Why the steps are what they are:
    404 here, before any transfer; an unreachable source is a clean connection error.
 2. Load the metadata into our reader NIXL agent (cached per source; agents the source
    reports retired, or that disconnected, are dropped) and READ on a transfer thread, so
-   the event loop (and the control server on it) never waits for data (seed 002). CPU
+   the event loop (and the control server on it) never waits for data (docs/design, "out-of-order deadlock"). CPU
    destinations are carved from registered, pre-faulted landing buffers (buffers.py).
    Every wait has a deadline; cancellation aborts the transfer.
 3. End the ticket: the READ carries a note NIXL delivers to the source once the data
@@ -34,7 +34,15 @@ import aiohttp
 import torch
 
 from gpuobj_agent.buffers import BINDABLE, Bound, LandingPool
-from gpuobj_agent.errors import AgentError, BadRequest, FetchError, ObjectGone, SourceUnavailable, TransportError
+from gpuobj_agent.errors import (
+    AgentError,
+    BadRequest,
+    FetchError,
+    ObjectGone,
+    ReadRefused,
+    SourceUnavailable,
+    TransportError,
+)
 from gpuobj_agent.layouts import TensorLayout, allocate, normalize_device
 from gpuobj_agent.metrics import AgentMetrics
 from gpuobj_agent.nixl_transport import NixlAgent, Span
@@ -592,6 +600,8 @@ class Fetcher:
                     raise ObjectGone(object_id, endpoint)
                 if resp.status == 401:
                     raise FetchError(f"{endpoint} refused the token (401)")
+                if resp.status == 403:
+                    raise ReadRefused(f"{endpoint} refused the read: {message or 'forbidden'}")
                 raise FetchError(f"{method} {path} on {endpoint} failed: {resp.status} {message or ''}".strip())
         except (aiohttp.ClientConnectionError, OSError) as exc:
             self.forget_source(endpoint)

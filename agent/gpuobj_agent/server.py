@@ -2,7 +2,7 @@
 
 Why it is thin: handlers parse and validate input, call the store, and shape JSON. They
 never wait on NIXL data (transfers happen on the reader's side, on threads), so metadata
-and tickets are always served promptly, whatever transfers are running (seed 002).
+and tickets are always served promptly, whatever transfers are running (docs/design, "out-of-order deadlock").
 Every `/v1/` route needs the caller's projected ServiceAccount token (gpuobj_agent.auth): the
 control routes (free, inventory, materialize, stream-free, info) the operator's, the read routes a
 pod-bound token of a pod the object is readable from. Malformed input is a 400 with a message,
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -26,7 +25,7 @@ from gpuobj_agent.layouts import TensorLayout, parse_layouts
 from gpuobj_agent.metrics import AgentMetrics
 from gpuobj_agent.store import check_id, check_stream
 from gpuobj_contract import agent_api as api
-from gpuobj_contract import names
+from gpuobj_contract import names, patterns
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +39,7 @@ class Authenticator(Protocol):
 
 
 class Describable(Protocol):
-    def describe(self) -> dict[str, Any]: ...
+    def answer(self) -> api.ObjectDescription: ...
 
 
 class Objects(Protocol):
@@ -112,7 +111,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _error(status: int, message: str, **headers: str) -> web.Response:
-    return web.json_response({"error": message}, status=status, headers=headers or None)
+    return web.json_response(api.ErrorAnswer(message).to_json(), status=status, headers=headers or None)
 
 
 @web.middleware
@@ -201,15 +200,12 @@ def _opt_int(data: dict[str, Any], key: str) -> int | None:
     return value
 
 
-_NAMESPACE_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-
-
 def _namespaces(data: dict[str, Any], key: str) -> list[str]:
     value = data.get(key) or []
     if not isinstance(value, list) or len(value) > 64:
         raise BadRequest(f"{key} must be a list of at most 64 namespace names")
     for ns in value:
-        if not isinstance(ns, str) or not _NAMESPACE_RE.fullmatch(ns):
+        if not patterns.NAMESPACE.matches(ns):
             raise BadRequest(f"{key}: {ns!r} is not a namespace name")
     return value
 
@@ -222,12 +218,12 @@ class Routes:
         self.store = agent.store
 
     async def healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        return web.json_response(api.HealthAnswer("ok").to_json())
 
     async def readyz(self, request: web.Request) -> web.Response:
         active = self.store.active_nixl_agent
         if active is not None:
-            return web.json_response({"status": "ready", "nixlAgent": active})
+            return web.json_response(api.HealthAnswer("ready", active).to_json())
         return _error(503, "not ready: the NIXL agent is not up")
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -261,7 +257,9 @@ class Routes:
             shared_with=_namespaces(data, "sharedWith"),
         )
         # The operator records which process holds the bytes (api.MaterializeAnswer): its liveness rules need it.
-        return web.json_response({"created": created, **obj.describe(), "incarnation": self.agent.incarnation})
+        described = obj.answer()
+        answer = api.MaterializeAnswer(created, described.id, described.bytes, self.agent.incarnation, described)
+        return web.json_response(answer.to_json())
 
     async def begin_read(self, request: web.Request) -> web.Response:
         object_id = check_id(request.match_info["id"])
@@ -310,7 +308,7 @@ class Routes:
         sink = self.agent.handoff_sink
         if sink is None or not await sink(claim):
             raise ObjectNotFound(claim)
-        return web.json_response({"released": True})
+        return web.json_response(api.HandoffReleaseAnswer().to_json())
 
     async def free_stream(self, request: web.Request) -> web.Response:
         stream = check_stream(request.match_info["stream"])

@@ -3,7 +3,7 @@
 Why it is shaped this way:
 - Every piece of state lives on the agent's event loop and is changed by one coroutine at
   a time; NIXL calls run on a dedicated control thread (`await self.nixl.control(...)`), so
-  the loop never blocks on NIXL and the server keeps answering (seed 002).
+  the loop never blocks on NIXL and the server keeps answering (docs/design, "out-of-order deadlock").
 - Bookkeeping is delegated to plain-Python modules: the registrations ledger (what each
   NIXL agent holds), read tickets (who may be reading), generations (which NIXL agent is
   active) and the quarantine (freed memory waiting for its fence). This class wires them
@@ -20,8 +20,8 @@ import asyncio
 import base64
 import contextlib
 import logging
-import re
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,25 +47,30 @@ from gpuobj_agent.nixl_transport import NixlAgent, Span, exact_regions
 from gpuobj_agent.registrations import RegionKey, RegionReused
 from gpuobj_agent.tickets import ReadTickets
 from gpuobj_contract import agent_api as api
+from gpuobj_contract import patterns
 
 log = logging.getLogger(__name__)
 
-ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")  # fullmatch: "$" would let a trailing newline through
 # A reader attaches this + readId to its READ; NIXL hands it to us once the data was read.
 READ_END_PREFIX = api.READ_END_NOTIF_PREFIX.encode()
 NOTIFY_POLL_SECONDS = 0.001
-STREAM_RE = re.compile(r"[A-Za-z0-9._-]{1,253}")
+# Freed objects that granted other namespaces (spec.sharedWith) are remembered, this many at most, so
+# that a granted reader of another namespace hears "not found" (404), not "may not read" (403).
+FREED_GRANTS_KEPT = 4096
 
 
 def check_id(object_id: Any, what: str = "object id") -> str:
-    if not isinstance(object_id, str) or not ID_RE.fullmatch(object_id):
+    if not patterns.OBJECT_ID.matches(object_id):
         raise BadRequest(f"{what} {object_id!r} is not valid: 1-128 characters of [A-Za-z0-9._-]")
     return object_id
 
 
 def check_stream(stream: Any) -> str:
-    if not isinstance(stream, str) or not STREAM_RE.fullmatch(stream):
-        raise BadRequest(f"stream {stream!r} is not valid: 1-253 characters of [A-Za-z0-9._-]")
+    if not patterns.STREAM_NAME.matches(stream):
+        raise BadRequest(
+            f"stream {stream!r} is not valid: a Kubernetes object name (1-253 characters of [a-z0-9.-], "
+            "starting and ending with a letter or digit)"
+        )
     return stream
 
 
@@ -95,15 +100,18 @@ class StoredObject:
     def devices(self) -> list[str]:
         return sorted({layout.device for layout in self.layouts})
 
+    def answer(self) -> api.ObjectDescription:
+        return api.ObjectDescription(
+            id=self.object_id,
+            bytes=self.nbytes,
+            tensors=tuple(self.layouts),
+            created_at=iso_time(self.created_wall),
+            stream=self.stream,
+            stream_index=self.stream_index,
+        )
+
     def describe(self) -> dict[str, Any]:
-        return {
-            "id": self.object_id,
-            "bytes": self.nbytes,
-            "tensors": [layout.to_json() for layout in self.layouts],
-            "createdAt": iso_time(self.created_wall),
-            "stream": self.stream,
-            "streamIndex": self.stream_index,
-        }
+        return self.answer().to_json()
 
 
 def iso_time(ts: float) -> str:
@@ -113,6 +121,10 @@ def iso_time(ts: float) -> str:
 
 def _b64(data: bytes | None) -> str | None:
     return None if data is None else base64.b64encode(data).decode()
+
+
+def _read_spans(spans: Sequence[Span | None]) -> tuple[api.ReadSpan | None, ...]:
+    return tuple(None if s is None else api.ReadSpan(s.mem, s.dev, s.addr, s.nbytes) for s in spans)
 
 
 def _sync_cuda(tensors: Sequence[torch.Tensor]) -> None:
@@ -145,6 +157,7 @@ class ObjectStore:
         # Objects whose GPUObject the embedding client has queued but not recorded yet (its write-behind);
         # set from the client's thread (single set operations: atomic under the GIL).
         self._record_pending: set[str] = set()
+        self._freed_grants: OrderedDict[str, frozenset[str]] = OrderedDict()  # object id -> sharedWith, bounded
         self.tickets_changed = asyncio.Condition()
         self.closing = False
         self._issued = asyncio.Event()
@@ -409,17 +422,17 @@ class ObjectStore:
         metadata, descriptors, whole = obj.description
         self.nixl.ledger.expose(obj.gid, self.nixl.ledger.keys_in(obj.gid) if whole else obj.keys)
         self.metrics.tickets.labels(result="granted").inc()
-        return {
-            "nixlAgent": gen.name,
-            "agentMetadata": metadata,
-            "descriptors": descriptors,
-            "spans": [s.to_json() if s is not None else None for s in obj.spans],
-            "tensors": [layout.to_json() for layout in obj.layouts],
-            "bytes": obj.nbytes,
-            "liveAgents": self.nixl.gens.live_names(),
-            "incarnation": self.incarnation,
-            "generation": obj.gid,
-        }
+        return api.ReadTicket(
+            nixl_agent=gen.name,
+            agent_metadata=metadata or "",
+            descriptors=descriptors,
+            spans=_read_spans(obj.spans),
+            tensors=tuple(obj.layouts),
+            nbytes=obj.nbytes,
+            live_agents=tuple(self.nixl.gens.live_names()),
+            incarnation=self.incarnation,
+            generation=obj.gid,
+        ).to_json()
 
     def _issue(self, obj: StoredObject, reader: str) -> dict[str, Any]:
         gen = self.nixl.gens.get(obj.gid)
@@ -430,25 +443,25 @@ class ObjectStore:
         self.nixl.ledger.expose(obj.gid, self.nixl.ledger.keys_in(obj.gid) if whole else obj.keys)
         self.metrics.tickets.labels(result="issued").inc()
         self._issued.set()
-        return {
-            "readId": ticket.read_id,
-            "nixlAgent": gen.name,
-            "agentMetadata": metadata,
-            "descriptors": descriptors,
-            "spans": [s.to_json() if s is not None else None for s in obj.spans],
-            "tensors": [layout.to_json() for layout in obj.layouts],
-            "bytes": obj.nbytes,
-            "leaseSeconds": lease,
-            "liveAgents": self.nixl.gens.live_names(),
-            "incarnation": self.incarnation,
-        }
+        return api.ReadTicket(
+            read_id=ticket.read_id,
+            nixl_agent=gen.name,
+            agent_metadata=metadata or "",
+            descriptors=descriptors,
+            spans=_read_spans(obj.spans),
+            tensors=tuple(obj.layouts),
+            nbytes=obj.nbytes,
+            lease_seconds=lease,
+            live_agents=tuple(self.nixl.gens.live_names()),
+            incarnation=self.incarnation,
+        ).to_json()
 
     async def end_read(self, read_id: str) -> dict[str, Any]:
         expired = self._expire()
         result = self._end(read_id)
         if result.ended or expired:
             await self._tickets_changed()
-        return {"ended": result.ended, "valid": result.valid, "expired": self.tickets.was_expired(read_id)}
+        return api.ReadEndAnswer(result.ended, result.valid, self.tickets.was_expired(read_id)).to_json()
 
     def _end(self, read_id: str):
         result = self.tickets.end(read_id)
@@ -552,7 +565,7 @@ class ObjectStore:
                 raise FreeTimeout(f"object {object_id} still has reads in flight; nothing freed")
         if obj is None:
             self.metrics.frees.labels(result="noop").inc()
-            return {"freed": False, "reason": "unknown object"}
+            return api.FreeAnswer(False, reason="unknown object").to_json()
         obj.freeing = asyncio.get_running_loop().create_future()
         try:
             ok = await self.wait_tickets(
@@ -579,7 +592,7 @@ class ObjectStore:
             fenced = False
         self.metrics.free_seconds.observe(self._clock() - started)
         log.debug("freed %s (%d bytes, reason %s)", object_id, obj.nbytes, reason)
-        return {"freed": True, "bytes": obj.nbytes, "waitedSeconds": round(waited, 6), "fenced": fenced}
+        return api.FreeAnswer(True, obj.nbytes, round(waited, 6), fenced).to_json()
 
     async def release_all(self) -> None:
         """At shutdown, once reads ended or their wait ran out: deregister and forget every object."""
@@ -600,6 +613,10 @@ class ObjectStore:
                     self.nixl.gens.get(gid).migrated.discard(obj.object_id)
             self.objects.pop(obj.object_id, None)
             self._record_pending.discard(obj.object_id)
+            if obj.shared_with:
+                self._freed_grants[obj.object_id] = obj.shared_with
+                if len(self._freed_grants) > FREED_GRANTS_KEPT:
+                    self._freed_grants.popitem(last=False)
             members = self.nixl.members.get(obj.gid)
             if members is not None:
                 members.discard(obj.object_id)
@@ -632,7 +649,7 @@ class ObjectStore:
                 f"stream {stream}: {len(failed)} object(s) not freed ({failed[0][1]}); "
                 f"{len(freed)} freed, retry to finish"
             )
-        return {"freed": freed, "bytes": total}
+        return api.StreamFreeAnswer(tuple(freed), total).to_json()
 
     # -- views -------------------------------------------------------------------------
     def describe(self, object_id: str) -> dict[str, Any]:
@@ -642,9 +659,10 @@ class ObjectStore:
         return obj.describe()
 
     def shared_with(self, object_id: str) -> frozenset[str]:
-        """Namespaces besides the source's own whose pods may read `object_id` (none if it is unknown)."""
+        """Namespaces besides the source's own whose pods may read `object_id` (none if it is unknown;
+        those it granted if it was freed lately, so that a granted reader learns it is gone)."""
         obj = self.objects.get(object_id)
-        return obj.shared_with if obj is not None else frozenset()
+        return obj.shared_with if obj is not None else self._freed_grants.get(object_id, frozenset())
 
     def set_record_pending(self, object_id: str, pending: bool) -> None:
         """The embedding client says whether this object's GPUObject is still waiting to be recorded.

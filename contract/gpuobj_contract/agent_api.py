@@ -8,29 +8,25 @@ a newer agent may add some) and writes what it sends with `to_json`; plain Pytho
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 from urllib.parse import quote
 
+from gpuobj_contract import patterns
 from gpuobj_contract.layouts import TensorLayout
-
-# Ids are matched in full (re.fullmatch): "o-1\n" is not an id.
-OBJECT_ID_PATTERN = r"[A-Za-z0-9._-]{1,128}"
-STREAM_NAME_PATTERN = r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?"
-_OBJECT_ID = re.compile(OBJECT_ID_PATTERN)
-_STREAM = re.compile(STREAM_NAME_PATTERN)
 
 # A NIXL READ posted with this notification message ends the read ticket `<readId>` at the source.
 READ_END_NOTIF_PREFIX = "gpuobj-read-end:"
 
 
 def is_object_id(text: object) -> bool:
-    return isinstance(text, str) and _OBJECT_ID.fullmatch(text) is not None
+    """An object id as spec.objectId allows it (patterns.OBJECT_ID, matched in full: "o-1\n" is not one)."""
+    return patterns.OBJECT_ID.matches(text)
 
 
 def is_stream_name(text: object) -> bool:
-    return isinstance(text, str) and _STREAM.fullmatch(text) is not None
+    """A stream name: its GPUObjectStream's object name (patterns.STREAM_NAME)."""
+    return patterns.STREAM_NAME.matches(text)
 
 
 class Route(NamedTuple):
@@ -59,6 +55,117 @@ RELEASE_HANDOFF = Route("POST", "/v1/claims/{claim}/release")
 
 OPEN_ROUTES = (HEALTHZ, READYZ, METRICS)  # no credential needed
 PROTECTED_PREFIX = "/v1/"
+
+
+@dataclass(frozen=True)
+class ErrorAnswer:
+    """Every refusal: the HTTP status says which kind, `error` says what to do."""
+
+    error: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": self.error}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ErrorAnswer:
+        return cls(str(data.get("error", "")))
+
+
+@dataclass(frozen=True)
+class HealthAnswer:
+    """HEALTHZ ("ok") and READYZ ("ready", with the active NIXL agent)."""
+
+    status: str
+    nixl_agent: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"status": self.status, **({"nixlAgent": self.nixl_agent} if self.nixl_agent else {})}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> HealthAnswer:
+        return cls(str(data.get("status", "")), data.get("nixlAgent"))
+
+
+@dataclass(frozen=True)
+class AgentInfo:
+    """INFO: whose agent this is (pod, namespace, UID, process incarnation) and its NIXL agents."""
+
+    pod: str
+    namespace: str
+    pod_uid: str
+    incarnation: str
+    nixl_agent: str | None = None  # the active one; None while starting or stopping
+    nixl_agents: tuple[str, ...] = ()  # every live one (active and sealed)
+    started_at: str = ""
+    endpoint: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pod": self.pod,
+            "namespace": self.namespace,
+            "podUID": self.pod_uid,
+            "incarnation": self.incarnation,
+            "nixlAgent": self.nixl_agent,
+            "nixlAgents": list(self.nixl_agents),
+            "startedAt": self.started_at,
+            "endpoint": self.endpoint,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> AgentInfo:
+        return cls(
+            pod=str(data.get("pod", "")),
+            namespace=str(data.get("namespace", "")),
+            pod_uid=str(data.get("podUID", "")),
+            incarnation=str(data.get("incarnation", "")),
+            nixl_agent=data.get("nixlAgent"),
+            nixl_agents=tuple(str(n) for n in data.get("nixlAgents") or ()),
+            started_at=str(data.get("startedAt", "")),
+            endpoint=str(data.get("endpoint", "")),
+        )
+
+
+@dataclass(frozen=True)
+class ObjectDescription:
+    """GET_OBJECT: one object as the agent holds it."""
+
+    id: str
+    bytes: int
+    tensors: tuple[TensorLayout, ...]
+    created_at: str
+    stream: str | None = None
+    stream_index: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "bytes": self.bytes,
+            "tensors": [t.to_json() for t in self.tensors],
+            "createdAt": self.created_at,
+            "stream": self.stream,
+            "streamIndex": self.stream_index,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ObjectDescription:
+        return cls(
+            id=str(data["id"]),
+            bytes=int(data.get("bytes", 0)),
+            tensors=tuple(TensorLayout.from_json(t, "tensors[]") for t in data.get("tensors", [])),
+            created_at=str(data.get("createdAt", "")),
+            stream=data.get("stream"),
+            stream_index=data.get("streamIndex"),
+        )
+
+
+@dataclass(frozen=True)
+class HandoffReleaseAnswer:
+    """RELEASE_HANDOFF: the source's queue took the receiver's release (404 when it does not know the claim)."""
+
+    released: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return {"released": self.released}
 
 
 @dataclass(frozen=True)
@@ -160,9 +267,17 @@ class MaterializeAnswer:
     id: str
     bytes: int
     incarnation: str = ""
+    description: ObjectDescription | None = None  # the object as GET_OBJECT describes it (written, not read)
 
     def to_json(self) -> dict[str, Any]:
-        return {"created": self.created, "id": self.id, "bytes": self.bytes, "incarnation": self.incarnation}
+        described = self.description.to_json() if self.description is not None else {}
+        return {
+            **described,
+            "created": self.created,
+            "id": self.id,
+            "bytes": self.bytes,
+            "incarnation": self.incarnation,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> MaterializeAnswer:
@@ -262,7 +377,7 @@ class ReadSpan:
             raise ValueError(f"malformed span {item!r}")
         return cls(item[0], item[1], item[2], item[3])
 
-    def to_json(self) -> list:
+    def to_json(self) -> list[Any]:
         return [self.mem, self.dev, self.addr, self.nbytes]
 
 
@@ -286,6 +401,27 @@ class ReadTicket:
     lease_seconds: float = 0.0
     descriptors: str | None = None
     generation: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """A ticket (with readId and leaseSeconds) or a grant (with generation), as BEGIN_READ answers it."""
+        body: dict[str, Any] = {"readId": self.read_id} if self.read_id else {}
+        body.update(
+            {
+                "nixlAgent": self.nixl_agent,
+                "agentMetadata": self.agent_metadata,
+                "descriptors": self.descriptors,
+                "spans": [s.to_json() if s is not None else None for s in self.spans],
+                "tensors": [t.to_json() for t in self.tensors],
+                "bytes": self.nbytes,
+            }
+        )
+        if self.read_id:
+            body["leaseSeconds"] = self.lease_seconds
+        body["liveAgents"] = list(self.live_agents)
+        body["incarnation"] = self.incarnation
+        if self.generation is not None:
+            body["generation"] = self.generation
+        return body
 
     @classmethod
     def from_json(cls, data: Any) -> ReadTicket:

@@ -10,9 +10,10 @@ before anything reaches torch. Torch conversions (dtype objects, allocation) liv
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
+
+from gpuobj_contract import patterns
 
 DTYPE_BYTES = {
     "float64": 8,
@@ -35,15 +36,14 @@ DTYPE_BYTES = {
 }
 
 
-def tensor_bytes(tensors: list[dict]) -> int:
+def tensor_bytes(tensors: list[dict[str, Any]]) -> int:
     """Bytes an object's tensors occupy, from shapes and dtypes."""
     return sum(math.prod(t.get("shape", [])) * DTYPE_BYTES[t["dtype"]] for t in tensors)
 
 
 MAX_NDIM = 32
 MAX_TENSORS = 4096
-DEVICES_PATTERN = r"^(cpu|cuda(:[0-9]+)?)$"
-_DEVICE_RE = re.compile(DEVICES_PATTERN)
+DEVICES_PATTERN = patterns.DEVICE.regex  # spec.tensors[].device
 
 
 class LayoutError(ValueError):
@@ -53,7 +53,7 @@ class LayoutError(ValueError):
 def normalize_device(device: object) -> str:
     """ "cpu" or "cuda:N": one spelling per device, so layouts compare equal."""
     text = str(device)
-    if not _DEVICE_RE.fullmatch(text):
+    if not patterns.DEVICE.matches(text):
         raise LayoutError(f"device {text!r} is not valid (expected cpu, cuda or cuda:N)")
     return "cuda:0" if text == "cuda" else text
 

@@ -390,7 +390,9 @@ class Client:
                 self._loop.call(core.releases.drain(), timeout=min(self.timeout, 30))
                 if core.wb is not None:
                     try:
-                        self._loop.call(core.wb.flush(min(self.timeout, 30)), timeout=min(self.timeout, 30) + 5)
+                        self._loop.call(
+                            core.wb.flush(min(self.timeout, 30), raise_refused=False), timeout=min(self.timeout, 30) + 5
+                        )
                     finally:
                         self._loop.call(core.close_writes(), timeout=5)
                 self._loop.call(core.close_connections(), timeout=5)

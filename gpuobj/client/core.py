@@ -33,6 +33,7 @@ from gpuobj.client.writebehind import WriteBehind
 from gpuobj_agent.layouts import layout_of
 from gpuobj_contract import agent_api as api
 from gpuobj_contract import names
+from gpuobj_contract import resources as crd
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, Conflict, KubeClient, NotFound
 from gpuobj_kube.config import KubeConfig
 
@@ -90,6 +91,13 @@ def _source_may_be_gone(exc: BaseException) -> bool:
     return isinstance(exc, SourceUnavailable | ObjectGone)
 
 
+def _read_refused(exc: BaseException) -> bool:
+    """The source agent refused this reader (403): a question of spec.sharedWith, not of RBAC."""
+    from gpuobj_agent.errors import ReadRefused
+
+    return isinstance(exc, ReadRefused)
+
+
 class ClientCore:
     """Everything a client does, as coroutines on one loop; create it on that loop (`create`)."""
 
@@ -124,7 +132,9 @@ class ClientCore:
         self.wb: WriteBehind | None = None
         if write_behind is not None:
             pending = getattr(agent, "set_record_pending", None)  # our own in-process agent tells the audit
-            self.wb = WriteBehind(kube, free_local=self.free_local, on_record_pending=pending, **write_behind)
+            self.wb = WriteBehind(
+                kube, free_local=self.free_local, on_record_pending=pending, pod_uid=self._pod_uid, **write_behind
+            )
 
     @classmethod
     async def create(cls, kube_config: KubeConfig, **kwargs: Any) -> ClientCore:
@@ -137,10 +147,6 @@ class ClientCore:
     def incarnation(self) -> str | None:
         """This process's agent incarnation: a sender passes it to ``share`` so the claim dies with us."""
         return getattr(self.agent, "incarnation", None)
-
-    def _incarnation_field(self, incarnation: str | None = None) -> dict:
-        value = incarnation or self.incarnation
-        return {"incarnation": value} if value else {}
 
     def token(self) -> str | None:
         return self.token_file.read_text().strip() if self.token_file else None
@@ -163,15 +169,10 @@ class ClientCore:
             "labels": {names.LABEL_SOURCE_POD: self.pod_name, **(labels or {})},
             "annotations": {names.ANNOTATION_SOURCE_ENDPOINT: self.agent.endpoint},
         }
-        spec: dict = {
-            "source": {"podName": self.pod_name, "podUID": self.pod_uid, **self._incarnation_field()},
-            "objectId": object_id,
-            "tensors": [t.to_json() for t in layouts],
-        }
-        if shared_with:
-            spec["sharedWith"] = list(shared_with)
+        item: crd.StreamItem | None = None
         if stream is not None:
             stream_name, index, stream_uid = stream
+            item = crd.StreamItem(stream_name, index)
             meta["labels"][names.LABEL_STREAM] = stream_name
             meta["ownerReferences"] = [
                 {
@@ -181,8 +182,14 @@ class ClientCore:
                     "uid": stream_uid,
                 }
             ]
-            spec["stream"] = {"name": stream_name, "index": index}
-        return {"metadata": meta, "spec": spec}
+        spec = crd.GPUObjectSpec(
+            source=crd.ObjectSource(self.pod_name, pod_uid=self.pod_uid, incarnation=self.incarnation or None),
+            tensors=tuple(crd.TensorSpec.of(t) for t in layouts),
+            object_id=object_id,
+            shared_with=tuple(shared_with),
+            stream=item,
+        )
+        return {"metadata": meta, "spec": spec.to_json()}
 
     async def put(
         self,
@@ -219,7 +226,8 @@ class ClientCore:
                 self.namespace,
             )
         except BaseException:
-            # The write failed: nothing in the API references these bytes, so free them now (seed 003).
+            # The write failed: nothing in the API references these bytes, so free them now
+            # (docs/design, "streamed-item leak").
             with contextlib.suppress(Exception):
                 await self.agent.afree(object_id)
             raise
@@ -288,6 +296,10 @@ class ClientCore:
                 await self.release(ref)  # a read-once hand-off: its one read is done
             return tensors
         except Exception as exc:
+            if address.namespace != self.namespace or _read_refused(exc):
+                # Across namespaces this pod may not read the GPUObject in the API (RBAC): the source
+                # agent's answer is all there is to say why, and it is enough.
+                raise self._agent_answer_error(address, exc) from exc
             # Say why: a Lost object (source gone) reads differently from a freed one.
             deadline = time.monotonic() + (LOST_WAIT if _source_may_be_gone(exc) else 0.0)
             while True:
@@ -297,19 +309,13 @@ class ClientCore:
                     raise ObjectNotFoundError(
                         f"GPUObject {address.namespace}/{address.name} no longer exists (freed): {exc}"
                     ) from exc
-                if (obj.get("status") or {}).get("state") == names.STATE_LOST or time.monotonic() >= deadline:
+                status = crd.GPUObjectStatus.from_json(obj.get("status"))
+                if status.state == names.STATE_LOST or time.monotonic() >= deadline:
                     break
                 await asyncio.sleep(0.25)
-            status = obj.get("status") or {}
-            if status.get("state") == names.STATE_LOST:
-                reason = next(
-                    (
-                        c.get("message")
-                        for c in status.get("conditions", [])
-                        if c.get("type") == names.CONDITION_SOURCE_AVAILABLE
-                    ),
-                    "source gone",
-                )
+            if status.state == names.STATE_LOST:
+                condition = status.condition(names.CONDITION_SOURCE_AVAILABLE)
+                reason = condition.message if condition is not None else "source gone"
                 raise ObjectLostError(f"GPUObject {address.namespace}/{address.name} is Lost: {reason}") from exc
             raise FetchError(
                 f"fetching {address.namespace}/{address.name} from {address.source_endpoint} failed: {exc}"
@@ -317,6 +323,25 @@ class ClientCore:
         finally:
             if claim is not None:
                 self.releases.end_read(claim)
+
+    def _agent_answer_error(self, address: ObjectAddress, exc: BaseException) -> errors.GpuObjError:
+        """The GpuObjError for a failed read, from the source agent's answer alone (no API read)."""
+        from gpuobj_agent.errors import ObjectGone, SourceUnavailable
+
+        what = f"GPUObject {address.namespace}/{address.name}"
+        if _read_refused(exc):
+            return errors.PermissionDeniedError(
+                f"fetch {what}: the source agent refused pod {self.namespace}/{self.pod_name} ({exc}). A GPUObject is"
+                f" readable from its own namespace and from the namespaces its spec.sharedWith names: the owner"
+                f" puts it with shared_with=[{self.namespace!r}] (docs/workload-pods.md)"
+            )
+        if isinstance(exc, ObjectGone):
+            return ObjectNotFoundError(
+                f"{what} no longer exists at its source (freed, or lost with its process): {exc}"
+            )
+        if isinstance(exc, SourceUnavailable):
+            return ObjectLostError(f"{what} is Lost: its source agent {address.source_endpoint} is gone ({exc})")
+        return FetchError(f"fetching {what} from {address.source_endpoint} failed: {exc}")
 
     # ------------------------------------------------------------ claims: borrow, share, adopt
 
@@ -330,14 +355,13 @@ class ClientCore:
     ) -> dict:
         if ttl is not None and (not isinstance(ttl, int) or ttl < 1):
             raise ValueError(f"ttl must be a whole number of seconds >= 1, not {ttl!r}")
-        spec: dict = {
-            "objectName": address.name,
+        spec = crd.GPUObjectClaimSpec(
+            object_name=address.name,
+            object_uid=address.uid or None,  # else the write-behind pins the uid it created
+            ttl_seconds=ttl or None,
             # Scoped to a process: ours, or the receiver's when the sender knows it.
-            "holder": {"podName": holder_pod, **({"incarnation": incarnation} if incarnation else {})},
-            **({"ttlSeconds": ttl} if ttl else {}),
-        }
-        if address.uid:
-            spec["objectUID"] = address.uid  # else the write-behind pins the uid it created
+            holder=crd.ClaimHolder(holder_pod, incarnation or None),
+        )
         return {
             "metadata": {
                 "name": f"{address.name[:200]}-{holder_pod[:40]}-{_short_id()[:6]}",
@@ -346,7 +370,7 @@ class ClientCore:
                 # On a receiver's behalf: say who shares, so admission can check it is us (docs/security.md).
                 **({"annotations": {names.ANNOTATION_SHARED_BY: self.pod_name}} if holder_pod != self.pod_name else {}),
             },
-            "spec": spec,
+            "spec": spec.to_json(),
         }
 
     async def _create_claim(
@@ -391,12 +415,16 @@ class ClientCore:
         read_once: bool = False,
     ) -> SharedRef:
         address = live_address(ref, "share")
-        if pod_uid is None:
-            pod_uid = await self._pod_uid(address.namespace, pod_name)
         if self.wb is not None:
-            body = self._claim_body(address, pod_name, pod_uid, incarnation, ttl)
+            # No API read on the caller's path: an unknown receiver uid is read by the queue, just
+            # before the claim's create (so a share during an API outage is queued like a put).
+            if pod_uid is None:
+                pod_uid = self._cached_pod_uid(address.namespace, pod_name)
+            body = self._claim_body(address, pod_name, pod_uid or "", incarnation, ttl)
             name = body["metadata"]["name"]
-            await self.wb.create_claim(address.namespace, address.name, name, body)
+            await self.wb.create_claim(
+                address.namespace, address.name, name, body, owner_pod=None if pod_uid else pod_name
+            )
             grant = None
             if address.source_endpoint == self.agent.endpoint:
                 # Our own object: the receiver reads it with no request here (the claim keeps it).
@@ -405,16 +433,22 @@ class ClientCore:
             return SharedRef(
                 address, name, "", pod_name, read_once=read_once, grant=grant, release_via=self.agent.endpoint
             )
+        if pod_uid is None:
+            pod_uid = await self._pod_uid(address.namespace, pod_name)
         created = await self._create_claim(address, pod_name, pod_uid, incarnation, ttl)
         return SharedRef(address, created["metadata"]["name"], created["metadata"]["uid"], pod_name, read_once)
+
+    def _cached_pod_uid(self, namespace: str, pod_name: str) -> str | None:
+        cached = self._pod_uids.get((namespace, pod_name))
+        return cached[0] if cached and time.monotonic() - cached[1] < POD_UID_TTL else None
 
     async def _pod_uid(self, namespace: str, pod_name: str) -> str:
         """The receiver's current incarnation, cached briefly: a claim made for an incarnation that has
         since died is garbage-collected with it, which is right, since that receiver can no longer adopt it."""
         now = time.monotonic()
-        cached = self._pod_uids.get((namespace, pod_name))
-        if cached and now - cached[1] < POD_UID_TTL:
-            return cached[0]
+        cached = self._cached_pod_uid(namespace, pod_name)
+        if cached:
+            return cached
         try:
             uid = (await self.kube.get(PODS, pod_name, namespace))["metadata"]["uid"]
         except NotFound:
@@ -537,7 +571,7 @@ class ClientCore:
                 # If the producer pod goes, so does the stream (and every item with it).
                 "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": self.pod_name, "uid": self.pod_uid}],
             },
-            "spec": {"producer": {"podName": self.pod_name}},
+            "spec": crd.GPUObjectStreamSpec(crd.StreamProducer(self.pod_name)).to_json(),
         }
         created = await self.kube.create(STREAMS, body, self.namespace)
         return created["metadata"]["uid"]
@@ -550,7 +584,8 @@ class ClientCore:
 
     async def advance_stream(self, name: str, consumed: int) -> None:
         """Record the read position (status.consumed): a late report of an item before it is recognisably stale."""
-        await self.kube.patch(STREAMS, name, {"status": {"consumed": consumed}}, self.namespace, subresource="status")
+        status = crd.GPUObjectStreamStatus(consumed=consumed).to_json()
+        await self.kube.patch(STREAMS, name, {"status": status}, self.namespace, subresource="status")
 
     async def delete_item(self, address: ObjectAddress) -> None:
         """Drop a consumed stream item (its GPUObject)."""

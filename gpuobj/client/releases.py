@@ -1,8 +1,8 @@
 """The release queue: references dropped on any thread, released in order on the client loop.
 
-Why a queue (seed 004): a handle's finalizer may run on any thread, inside the garbage
-collector, even during interpreter shutdown. It only puts plain data here and never blocks,
-raises or does I/O; the client loop drains the queue. A claim's release waits while a fetch
+Why a queue (docs/design, "teardown without deserialization"): a handle's finalizer may run on
+any thread, inside the garbage collector, even during interpreter shutdown. It only puts plain
+data here and never blocks, raises or does I/O; the client loop drains the queue. A claim's release waits while a fetch
 under that claim is in flight (its bytes must outlive the read), and goes on once the read
 ends. A release that fails is logged and dropped here: the write-behind queue underneath
 retries what it owns, and the pod's death or the operator's audit cleans up the rest.

@@ -1,4 +1,4 @@
-"""Streams (seed 003): a producer emits items in order; a consumer reads, then releases, each.
+"""Streams: a producer emits items in order; a consumer reads, then releases, each.
 
 An item is a GPUObject with spec.stream {name, index} and an ownerReference to its
 GPUObjectStream. The consumer advances the stream's read position (status.consumed)
@@ -11,18 +11,26 @@ deleting the stream frees every item, reported or not.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from gpuobj.client.errors import StreamClosedError
 from gpuobj.client.handles import ObjectAddress
 from gpuobj_contract import names
-from gpuobj_contract.layouts import parse_layouts
-from gpuobj_kube.client import GPUOBJECTS, STREAMS, Gone, wait_for
+from gpuobj_contract import resources as crd
+from gpuobj_kube.client import GPUOBJECTS, STREAMS, Gone, Resource, wait_for
 
 if TYPE_CHECKING:
     from gpuobj.client.core import ClientCore
     from gpuobj.client.loop import Runner
+
+log = logging.getLogger("gpuobj.client.streams")
+
+# A watch error other than 410 is retried with backoff; this many in a row is the reader's error.
+WATCH_ATTEMPTS = 6
+WATCH_BACKOFF_START = 0.1
+WATCH_BACKOFF_MAX = 2.0
 
 
 def item_name(stream: str, index: int) -> str:
@@ -75,23 +83,37 @@ class StreamReader:
         self.device = device
         self.item_timeout = item_timeout
         self.position: int | None = None
+        self.watch_failures = 0  # watch errors other than 410 seen (each retried), for observability
 
-    async def _follow(self, res, selector: dict[str, str], on_event) -> None:
-        """List then watch (relisting when the version is too old), feeding ``on_event(obj, deleted)``."""
+    async def _follow(self, res: Resource, selector: dict[str, str], on_event: Callable[[dict, bool], None]) -> None:
+        """List then watch, feeding ``on_event(obj, deleted)``: relist at once when the version is too old
+        (410), retry any other error with backoff, and raise it when it persists (WATCH_ATTEMPTS in a row)."""
         kube, ns = self.core.kube, self.core.namespace
+        failures = 0
         while True:
-            listed = await kube.list(res, ns, **selector)
-            for obj in listed["items"]:
-                on_event(obj, False)
-            rv = listed["metadata"]["resourceVersion"]
             try:
+                listed = await kube.list(res, ns, **selector)
+                for obj in listed["items"]:
+                    on_event(obj, False)
+                rv = listed["metadata"]["resourceVersion"]
+                failures = 0
                 while True:
                     async for kind, obj in kube.watch(res, ns, resource_version=rv, timeout_seconds=60, **selector):
                         rv = obj["metadata"].get("resourceVersion", rv)
+                        failures = 0
                         if kind != "BOOKMARK":
                             on_event(obj, kind == "DELETED")
             except Gone:
                 continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # refused, cut, timed out, 5xx, 403: maybe passing, else the real error
+                failures += 1
+                self.watch_failures += 1
+                if failures >= WATCH_ATTEMPTS:
+                    raise
+                log.debug("stream %s: watching %s failed (%s), retrying", self.name, res.plural, exc)
+                await asyncio.sleep(min(WATCH_BACKOFF_START * 2 ** (failures - 1), WATCH_BACKOFF_MAX))
 
     def _start_watches(self) -> None:
         """One watch on the stream's items and one on the stream, for the whole read: no request per item."""
@@ -101,7 +123,8 @@ class StreamReader:
         self._changed = asyncio.Event()
 
         def on_item(obj: dict, deleted: bool) -> None:
-            index = int(((obj.get("spec") or {}).get("stream") or {}).get("index", -1))
+            item = crd.GPUObjectSpec.from_json(obj.get("spec")).stream
+            index = item.index if item is not None else -1
             if deleted or obj["metadata"].get("deletionTimestamp"):
                 self._items.pop(index, None)
             else:
@@ -121,6 +144,8 @@ class StreamReader:
             ),
             asyncio.create_task(self._follow(STREAMS, {"field_selector": f"metadata.name={self.name}"}, on_stream)),
         ]
+        for task in self._watches:  # a watch that gave up wakes the reader, which raises its error
+            task.add_done_callback(lambda _: self._changed.set())
 
     async def _stop_watches(self) -> None:
         for task in getattr(self, "_watches", []):
@@ -134,8 +159,8 @@ class StreamReader:
         async def wait() -> tuple[dict | None, bool]:
             while True:
                 for task in self._watches:
-                    if task.done() and task.exception():
-                        raise task.exception()  # type: ignore[misc]
+                    if task.done() and not task.cancelled() and (error := task.exception()) is not None:
+                        raise error
                 if index in self._items:
                     return self._items.pop(index), False
                 if self._gone:
@@ -172,7 +197,7 @@ class StreamReader:
                 raise StreamClosedError(
                     f"stream {self.core.namespace}/{self.name} did not appear within {self.item_timeout:.0f}s"
                 ) from exc
-            self.position = int(((stream or {}).get("status") or {}).get("consumed", 0))
+            self.position = crd.GPUObjectStreamStatus.from_json((stream or {}).get("status")).consumed or 0
         self._start_watches()
         try:
             while True:
@@ -211,16 +236,18 @@ class StreamReader:
 
 
 def _address_of(obj: dict) -> ObjectAddress:
-    meta, spec, status = obj["metadata"], obj["spec"], obj.get("status") or {}
-    endpoint = (status.get("transport") or {}).get("agentEndpoint") or (meta.get("annotations") or {}).get(
+    meta = obj["metadata"]
+    spec = crd.GPUObjectSpec.from_json(obj["spec"])
+    transport = crd.GPUObjectStatus.from_json(obj.get("status")).transport
+    endpoint = (transport.agent_endpoint if transport else None) or (meta.get("annotations") or {}).get(
         names.ANNOTATION_SOURCE_ENDPOINT, ""
     )
     return ObjectAddress(
         meta["namespace"],
         meta["name"],
         meta["uid"],
-        spec["objectId"],
-        spec["source"]["podName"],
+        spec.object_id or "",
+        spec.source.pod_name,
         endpoint,
-        tuple(parse_layouts(spec["tensors"], "spec.tensors", ignore=frozenset({"name"}))),
+        spec.layouts(),
     )

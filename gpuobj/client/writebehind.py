@@ -7,7 +7,7 @@ writes and return; the queue sends them in the background. What must still hold:
 - Order per object. An object and the claims this process makes for it form a *family*
   whose writes go out one after another, in the order they were queued: the object is
   created before a claim on it, and a hand-off's claim is created before the sender's
-  release of the object is sent (DESIGN, Borrow). Families are sent concurrently
+  release of the object is sent (docs/design, "Borrow and hand-off"). Families are sent concurrently
   (pipelined), so one slow object never holds up the others.
 - Elision. A family's first write waits `window` seconds. If every reference in it is
   released before that (put, hand-off, fetch, release all inside the window), none of its
@@ -17,9 +17,16 @@ writes and return; the queue sends them in the background. What must still hold:
   retried with backoff, in order, until the write lands or the process exits. A create the
   API refuses for good (400/422, or a 403 that lasts `forbidden_grace` seconds) fails its
   family: the caller frees the bytes (nothing can reference them) and the handle says so.
+  A create answered 409 AlreadyExists by an object that is not ours (another pod holds the
+  name) is such a refusal: NameTakenError, on the handle and from `flush`.
   An API server that has just restarted answers 403 until its RBAC cache is filled, so a
   create refused with 403 is retried for a short while, and a delete (a release) is retried
   whatever the refusal.
+- A claim made on a receiver's behalf names the receiver pod's uid (its ownerReference). When
+  the caller does not know it, it is read here, just before the claim's create, so `share`
+  needs no API read on the caller's path (it succeeds during an outage, like a put). A
+  receiver that does not exist fails that claim alone (PodNotFoundError, from `flush`).
+- Every refusal for good is also raised, once, by the next `flush`.
 - Bounded memory and backpressure: at most `max_pending` writes wait. A create that finds
   the queue full waits for room, and after `backpressure_timeout` raises
   WriteBehindFullError naming the last API error. Releases are never refused (a release is
@@ -39,7 +46,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuobj.client.errors import GpuObjError, NameTakenError, PermissionDeniedError
+from gpuobj.client.errors import GpuObjError, NameTakenError, PermissionDeniedError, PodNotFoundError
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, ApiError, Conflict, KubeClient, NotFound
 
 log = logging.getLogger("gpuobj.client.writebehind")
@@ -91,6 +98,12 @@ class Write:
     verb: str  # "create" | "delete"
     record: Record
     body: dict | None = None
+    # A claim for a receiver whose pod uid the caller did not know: (namespace, pod name), read before the create.
+    owner_pod: tuple[str, str] | None = None
+
+
+class _NotOurs(Exception):
+    """A create's name is held by an API object that this process did not make."""
 
 
 @dataclass(eq=False)
@@ -125,6 +138,10 @@ class ReleaseOutcome:
 
 
 FreeFn = Callable[[str], Awaitable[Any]]
+PodUidFn = Callable[[str, str], Awaitable[str]]  # (namespace, pod) -> uid; PodNotFoundError if there is none
+
+# What became of one write: sent (landed), or refused for good, failing its family or that write alone.
+SENT, FAILED_FAMILY, FAILED_WRITE = "sent", "failed-family", "failed-write"
 
 
 class WriteBehind:
@@ -142,10 +159,13 @@ class WriteBehind:
         forbidden_grace: float = FORBIDDEN_GRACE,
         clock: Callable[[], float] = time.monotonic,
         on_record_pending: Callable[[str, bool], None] | None = None,
+        pod_uid: PodUidFn | None = None,
     ) -> None:
         """``on_record_pending(object_id, pending)``: told when an object's create is queued (True) and
-        when it landed, was taken back or failed (False): the local agent's inventory says so."""
+        when it landed, was taken back or failed (False): the local agent's inventory says so.
+        ``pod_uid``: reads a receiver pod's uid for a claim queued without one (`create_claim(owner_pod=)`)."""
         self.kube = kube
+        self.pod_uid = pod_uid
         self.free_local = free_local
         self.on_record_pending = on_record_pending or (lambda object_id, pending: None)
         self.window = window
@@ -159,6 +179,7 @@ class WriteBehind:
         self.last_error: str | None = None
         self.failing_since: float | None = None
         self.counts = {"sent": 0, "elided_families": 0, "retries": 0, "failed": 0}
+        self.unreported: list[BaseException] = []  # refusals for good that no flush has raised yet
         self._sem = asyncio.Semaphore(concurrency)
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
@@ -214,15 +235,21 @@ class WriteBehind:
         self.on_record_pending(object_id, True)
         return rec
 
-    async def create_claim(self, namespace: str, object_name: str, claim_name: str, body: dict) -> Record:
-        """Queue a claim create, ordered after its object's create when this process queued that."""
+    async def create_claim(
+        self, namespace: str, object_name: str, claim_name: str, body: dict, *, owner_pod: str | None = None
+    ) -> Record:
+        """Queue a claim create, ordered after its object's create when this process queued that.
+
+        ``owner_pod``: the body's Pod ownerReference has no uid yet; it is read just before the create."""
+        if owner_pod is not None and self.pod_uid is None:
+            raise ValueError("create_claim(owner_pod=) needs a WriteBehind made with pod_uid=")
         await self._wait_room()
         fam = self._family(namespace, object_name)
         if fam.failed is not None:
             raise WriteFailedError(f"GPUObject {namespace}/{object_name} could not be recorded: {fam.failed}")
         rec = Record("claim", namespace, claim_name)
         self._add(fam, rec)
-        self._queue(fam, Write("create", rec, body))
+        self._queue(fam, Write("create", rec, body, (namespace, owner_pod) if owner_pod is not None else None))
         return rec
 
     def find(self, kind: str, namespace: str, name: str) -> tuple[Family, Record] | None:
@@ -262,6 +289,8 @@ class WriteBehind:
         if not rec.live:
             return ReleaseOutcome(False)  # idempotent
         rec.live = False
+        if rec.failed is not None and fam.failed is None:
+            return ReleaseOutcome(False)  # a claim refused for good: nothing in the API to delete
         if not fam.started and fam.failed is None and not fam.live:
             # The whole family lived inside the window: none of its writes went out. Take them back.
             self._drop(fam)
@@ -320,13 +349,15 @@ class WriteBehind:
             async with self._sem:
                 while fam.writes:
                     w = fam.writes[0]
-                    ok = await self._send_retrying(fam, w)
+                    outcome = await self._send_retrying(fam, w)
                     if fam.writes and fam.writes[0] is w:
                         fam.writes.popleft()
                         self._landed(w)
-                    if not ok:
+                    if outcome == FAILED_FAMILY:
                         await self._fail(fam)
                         break
+                    if outcome == FAILED_WRITE:
+                        self.counts["failed"] += 1
         finally:
             fam.running = False
             if not fam.writes and not fam.live:
@@ -349,7 +380,14 @@ class WriteBehind:
             with contextlib.suppress(Exception):
                 await self.free_local(fam.object_id)
 
-    async def _send_retrying(self, fam: Family, w: Write) -> bool:
+    def _refuse(self, fam: Family | None, w: Write, error: BaseException) -> None:
+        """Record a refusal for good on the write's record (and family), for the handle and the next flush."""
+        w.record.failed = error
+        if fam is not None:
+            fam.failed = error
+        self.unreported.append(error)
+
+    async def _send_retrying(self, fam: Family, w: Write) -> str:
         delay = BACKOFF_START
         forbidden_since: float | None = None
         while True:
@@ -357,7 +395,18 @@ class WriteBehind:
                 await self._send(fam, w)
                 self.counts["sent"] += 1
                 self.failing_since = None
-                return True
+                return SENT
+            except _NotOurs as exc:
+                log.error("gpuobj: %s", exc)
+                self._refuse(
+                    fam if w.record.kind == "object" else None,
+                    w,
+                    NameTakenError(f"{exc}; choose another name (or omit it for a generated one); bytes freed"),
+                )
+                return FAILED_FAMILY if w.record.kind == "object" else FAILED_WRITE
+            except PodNotFoundError as exc:  # the receiver of a share does not exist: that claim alone fails
+                self._refuse(None, w, exc)
+                return FAILED_WRITE
             except ApiError as exc:
                 if exc.status == 403 and forbidden_since is None:
                     forbidden_since = self.clock()
@@ -371,16 +420,20 @@ class WriteBehind:
                         exc,
                     )
                     error = WriteForbiddenError if exc.status == 403 else WriteFailedError
-                    fam.failed = w.record.failed = error(
-                        f"{w.verb} of {w.record.kind} {w.record.namespace}/{w.record.name} refused: {exc}"
-                        + (
-                            f" (still after {self.forbidden_grace:g}s: bind the pod's ServiceAccount to the gpuobj "
-                            "workload Role, charts/gpuobj or deploy/)"
-                            if exc.status == 403
-                            else ""
-                        )
+                    self._refuse(
+                        fam,
+                        w,
+                        error(
+                            f"{w.verb} of {w.record.kind} {w.record.namespace}/{w.record.name} refused: {exc}"
+                            + (
+                                f" (still after {self.forbidden_grace:g}s: bind the pod's ServiceAccount to the "
+                                "gpuobj workload Role, charts/gpuobj or deploy/)"
+                                if exc.status == 403
+                                else ""
+                            )
+                        ),
                     )
-                    return False
+                    return FAILED_FAMILY
                 self._note_failure(exc)
             except asyncio.CancelledError:
                 raise
@@ -415,15 +468,29 @@ class WriteBehind:
             obj_rec = fam.object_record
             if rec.kind == "claim" and obj_rec is not None and obj_rec.uid:
                 body["spec"]["objectUID"] = obj_rec.uid  # pin the incarnation we created
+            if w.owner_pod is not None:
+                assert self.pod_uid is not None
+                uid = await self.pod_uid(*w.owner_pod)  # the receiver's current incarnation
+                for owner in body["metadata"].get("ownerReferences", []):
+                    if owner.get("kind") == "Pod" and owner.get("name") == w.owner_pod[1]:
+                        owner["uid"] = uid
+                w.owner_pod = None
             try:
                 created = await self.kube.create(res, body, rec.namespace)
             except Conflict as exc:
                 if not exc.already_exists:
                     raise
                 # An earlier try landed but its answer was lost: take it if it is ours.
-                created = await self.kube.get(res, rec.name, rec.namespace)
+                try:
+                    created = await self.kube.get(res, rec.name, rec.namespace)
+                except NotFound:
+                    raise exc from None  # deleted meanwhile: try the create again
                 if created.get("spec") != body.get("spec") and not _same_spec(created, body):
-                    raise
+                    kind = "GPUObject" if rec.kind == "object" else "GPUObjectClaim"
+                    raise _NotOurs(
+                        f"{kind} {rec.namespace}/{rec.name} already exists and is not this process's"
+                        f" (source pod {((created.get('spec') or {}).get('source') or {}).get('podName', '?')})"
+                    ) from exc
             rec.uid = created["metadata"]["uid"]
             rec.created = True
             if rec.kind == "object" and fam.object_id is not None:
@@ -445,8 +512,11 @@ class WriteBehind:
             async with asyncio.timeout(left):
                 await self._changed.wait()
 
-    async def flush(self, timeout: float) -> None:
-        """Send everything queued now (windows cut short) and wait until it landed."""
+    async def flush(self, timeout: float, *, raise_refused: bool = True) -> None:
+        """Send everything queued now (windows cut short) and wait until it landed.
+
+        Then raise the first write refused for good since the last flush (NameTakenError,
+        PodNotFoundError, WriteFailedError), with the others as notes, unless ``raise_refused`` is off."""
         for fam in list(self.families.values()):
             if not fam.started:
                 self._start(fam)
@@ -459,6 +529,12 @@ class WriteBehind:
                     f" (last error: {self.last_error or 'none'})"
                 )
             await self._wait_change(min(left, 0.5))
+        refused, self.unreported = self.unreported, []
+        if refused and raise_refused:
+            first = refused[0]
+            for other in refused[1:]:
+                first.add_note(f"also refused: {type(other).__name__}: {other}")
+            raise first
 
     async def close(self) -> None:
         """Stop sending (what is still queued is lost with the process, as documented)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +61,7 @@ STREAMS = Resource(names.GROUP, names.VERSION, names.PLURAL_STREAM, names.KIND_S
 class ApiError(Exception):
     """The API server refused a request."""
 
-    def __init__(self, status: int, reason: str, message: str, body: dict | None = None) -> None:
+    def __init__(self, status: int, reason: str, message: str, body: dict[str, Any] | None = None) -> None:
         super().__init__(f"{status} {reason}: {message}")
         self.status = status
         self.reason = reason
@@ -167,7 +167,7 @@ class KubeClient:
         body: Any = None,
         content_type: str = "application/json",
         timeout: float | None = None,
-    ) -> dict:
+    ) -> dict[str, Any]:
         """One API call. A 429 (priority and fairness, a CRD's cache warming up) is retried after
         its Retry-After, as client-go does, within the same deadline; a 401 once, with credentials
         loaded again (an expired exec-plugin token, a rotated token file)."""
@@ -198,7 +198,8 @@ class KubeClient:
                     await self._raise_for(resp)
                     if resp.status == 204:
                         return {}
-                    return await resp.json(content_type=None)
+                    answer: dict[str, Any] = await resp.json(content_type=None)
+                    return answer
             except TimeoutError as exc:
                 waited = timeout or self.request_timeout
                 message = f"{method} {path}: no answer from the API server at {self.config.server} in {waited:g}s"
@@ -208,7 +209,7 @@ class KubeClient:
 
     async def get(
         self, res: Resource, name: str, namespace: str | None = None, *, subresource: str | None = None
-    ) -> dict:
+    ) -> dict[str, Any]:
         return await self.request("GET", res.path(namespace, name, subresource))
 
     async def list(
@@ -221,7 +222,7 @@ class KubeClient:
         limit: int | None = None,
         not_older_than: str | None = None,
         exact: str | None = None,
-    ) -> dict:
+    ) -> dict[str, Any]:
         """List all pages; the result's metadata.resourceVersion is the last page's (good for a watch).
 
         ``not_older_than``: a resourceVersion; the API server may answer from its watch cache once
@@ -230,7 +231,7 @@ class KubeClient:
         if not_older_than and exact:
             raise ValueError("list: not_older_than and exact exclude each other")
         version, match = (exact, "Exact") if exact else (not_older_than, "NotOlderThan" if not_older_than else None)
-        items: list[dict] = []
+        items: list[dict[str, Any]] = []
         cont: str | None = None
         while True:
             page = await self.request(
@@ -252,16 +253,22 @@ class KubeClient:
                 return page
 
     async def create(
-        self, res: Resource, body: dict, namespace: str | None = None, *, subresource: str | None = None
-    ) -> dict:
+        self, res: Resource, body: dict[str, Any], namespace: str | None = None, *, subresource: str | None = None
+    ) -> dict[str, Any]:
         body.setdefault("apiVersion", res.api_version)
         body.setdefault("kind", res.kind)
         path = res.path(namespace, body["metadata"]["name"], subresource) if subresource else res.path(namespace)
         return await self.request("POST", path, body=body)
 
     async def replace(
-        self, res: Resource, name: str, body: dict, namespace: str | None = None, *, subresource: str | None = None
-    ) -> dict:
+        self,
+        res: Resource,
+        name: str,
+        body: dict[str, Any],
+        namespace: str | None = None,
+        *,
+        subresource: str | None = None,
+    ) -> dict[str, Any]:
         return await self.request("PUT", res.path(namespace, name, subresource), body=body)
 
     async def patch(
@@ -275,7 +282,7 @@ class KubeClient:
         patch_type: str = "merge",
         field_manager: str | None = None,
         force: bool = False,
-    ) -> dict:
+    ) -> dict[str, Any]:
         params: dict[str, Any] = {"fieldManager": field_manager}
         if patch_type == "apply":
             params["force"] = "true" if force else None
@@ -297,7 +304,7 @@ class KubeClient:
         resource_version: str | None = None,
         propagation: str | None = None,
         grace_period_seconds: int | None = None,
-    ) -> dict:
+    ) -> dict[str, Any]:
         """Delete, optionally only a given incarnation (uid) or version: a late delete never hits a successor."""
         options: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1"}
         pre = {k: v for k, v in {"uid": uid, "resourceVersion": resource_version}.items() if v}
@@ -318,7 +325,7 @@ class KubeClient:
         label_selector: str | None = None,
         field_selector: str | None = None,
         timeout_seconds: int = 300,
-    ) -> AsyncIterator[tuple[str, dict]]:
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
         """Yield (type, object) until the server ends the watch; raises Gone when the version is too old."""
         await self._fresh_credentials()
         params = {
@@ -357,16 +364,16 @@ async def wait_for(
     res: Resource,
     name: str,
     namespace: str | None,
-    predicate,
+    predicate: Callable[[dict[str, Any] | None], bool],
     *,
     timeout: float,
-) -> dict | None:
+) -> dict[str, Any] | None:
     """Wait until ``predicate(obj)`` holds (obj is None once deleted), by watching, with a deadline.
 
     Returns the object (None when the predicate accepted its absence). Raises TimeoutError.
     """
 
-    async def _wait() -> dict | None:
+    async def _wait() -> dict[str, Any] | None:
         while True:
             try:
                 obj = await client.get(res, name, namespace)

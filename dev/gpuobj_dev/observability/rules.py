@@ -151,7 +151,7 @@ def groups() -> list[dict]:
             "Agent {{ $labels.namespace }}/{{ $labels.pod }} has NIXL registrations for memory it no longer stores",
             "Agent {{ $labels.namespace }}/{{ $labels.pod }} ({{ $labels.instance }}) has had "
             "{{ $value | humanize1024 }}B more registered with NIXL than it stores for 5 minutes: deregistrations "
-            "were skipped (seed 001), the memory stays pinned and stale readers could read it.",
+            "were skipped (deregister after free), the memory stays pinned and stale readers could read it.",
             "Compare gpuobj_agent_nixl_registrations_total by op on that agent; restart the pod to release the "
             "registrations and file a bug with its log. "
             "See deploy/prometheus/README.md#gpuobjectnixlregistrationsnotundone.",

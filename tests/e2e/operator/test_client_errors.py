@@ -47,7 +47,9 @@ def test_mistakes_raise_gpuobj_errors_that_say_what_to_do_and_change_nothing(
     name, _, message = attempt(src, "client.put([torch.ones(4)], name='transposed')")
     assert name == "NameTakenError" and "another name" in message
 
-    name, _, message = attempt(src, "client.share(t_ref, 'no-such-pod')")
+    # A share is queued like a put (no API read on the caller's path): the next flush says the pod is missing.
+    src.run("mistaken = client.share(t_ref, 'no-such-pod')")
+    name, _, message = attempt(src, "client.flush(30)")
     assert name == "PodNotFoundError" and "no-such-pod" in message
 
     shared = src.eval_pickle("client.share(t_ref, 'reader')")

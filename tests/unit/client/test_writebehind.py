@@ -11,8 +11,9 @@ import random
 
 import pytest
 
-from gpuobj.client.writebehind import WriteBehind, WriteBehindFullError
-from gpuobj_kube.client import Invalid
+from gpuobj.client.errors import NameTakenError, PodNotFoundError
+from gpuobj.client.writebehind import WriteBehind, WriteBehindFullError, WriteFailedError
+from gpuobj_kube.client import Conflict, Invalid
 
 
 class ScriptedApi:
@@ -174,7 +175,7 @@ def test_the_local_agent_hears_while_an_objects_record_waits_and_when_it_no_long
         assert pending["id-short"] is False
         api.refuse_creates = True
         await wb.create_object("ns", "refused", body("refused"), "id-refused")
-        await wb.flush(10)
+        await wb.flush(10, raise_refused=False)
         assert pending["id-refused"] is False  # it never will be recorded (and its bytes were freed)
         await wb.close()
         await elided.close()
@@ -192,7 +193,8 @@ def test_a_create_the_api_refuses_frees_the_bytes_and_says_why() -> None:
         api.refuse_creates = True
         wb = WriteBehind(api, free_local=free, window=0.0)
         rec = await wb.create_object("ns", "o", body("o"), "oid")
-        await wb.flush(5)
+        with pytest.raises(WriteFailedError, match="refused"):
+            await wb.flush(5)  # a refusal for good is raised once, by the next flush
         assert freed == ["oid"] and rec.failed is not None and "refused" in str(rec.failed)
         wb.release("object", "ns", "o")
         await wb.flush(5)
@@ -271,7 +273,6 @@ def test_a_create_refused_with_403_right_after_an_api_restart_is_retried_and_lan
 
 def test_a_403_that_outlasts_the_grace_fails_the_put_as_permission_denied() -> None:
     from gpuobj import PermissionDeniedError
-    from gpuobj.client.writebehind import WriteFailedError
 
     async def go():
         api, freed = ForbiddenCreates(forbidden=10**6), []
@@ -281,13 +282,88 @@ def test_a_403_that_outlasts_the_grace_fails_the_put_as_permission_denied() -> N
 
         wb = WriteBehind(api, free_local=free, window=0.0, forbidden_grace=0.3)
         rec = await wb.create_object("ns", "o", body("o"), "oid")
-        await wb.flush(10)
+        with pytest.raises(PermissionDeniedError):
+            await wb.flush(10)
         assert api.refused >= 2 and api.calls == []  # retried, then given up
         assert isinstance(rec.failed, PermissionDeniedError) and isinstance(rec.failed, WriteFailedError)
         assert "ServiceAccount" in str(rec.failed) and freed == ["oid"]
         wb.release("object", "ns", "o")
         await wb.flush(5)
         assert wb.pending_writes == 0 and wb.families == {}
+        await wb.close()
+
+    run(go())
+
+
+class NameHeldElsewhere(ScriptedApi):
+    """The API server holds object ``taken`` of another pod: a create of that name answers 409 AlreadyExists."""
+
+    async def create(self, res, body, namespace):
+        if body["metadata"]["name"] == "taken":
+            raise Conflict(409, "AlreadyExists", 'gpuobjects.gpuobj.io "taken" already exists')
+        return await super().create(res, body, namespace)
+
+    async def get(self, res, name, namespace):
+        spec = {"objectId": "o-theirs", "source": {"podName": "b"}}
+        return {"metadata": {"name": name, "uid": "theirs"}, "spec": spec}
+
+
+def test_a_name_another_pod_holds_fails_the_family_with_name_taken_once_and_frees_the_bytes() -> None:
+    async def go():
+        api, freed = NameHeldElsewhere(), []
+
+        async def free(object_id: str) -> None:
+            freed.append(object_id)
+
+        wb = WriteBehind(api, free_local=free, window=0.0)
+        rec = await wb.create_object("ns", "taken", body("taken", {"objectId": "o-mine"}), "o-mine")
+        with pytest.raises(NameTakenError, match="already exists and is not this process's"):
+            await wb.flush(5)
+        assert isinstance(rec.failed, NameTakenError) and freed == ["o-mine"]
+        assert wb.counts["retries"] == 0 and wb.pending_writes == 0  # refused at once, never retried
+        await wb.flush(5)  # raised once: the next flush has nothing to say
+        wb.release("object", "ns", "taken")
+        assert wb.families == {}
+        await wb.close()
+
+    run(go())
+
+
+def test_a_claim_for_a_receiver_is_queued_without_its_uid_and_a_missing_receiver_fails_that_claim_alone() -> None:
+    async def go():
+        api, created = ScriptedApi(), {}
+        real_create = api.create
+
+        async def create(res, body, namespace):
+            created[body["metadata"]["name"]] = body
+            return await real_create(res, body, namespace)
+
+        api.create = create
+        asked: list[tuple[str, str]] = []
+
+        async def pod_uid(namespace: str, pod: str) -> str:
+            asked.append((namespace, pod))
+            if pod == "ghost":
+                raise PodNotFoundError(f"pod {namespace}/{pod} does not exist")
+            return "uid-of-" + pod
+
+        api.down = True  # an outage: the claims are queued all the same
+        wb = WriteBehind(api, free_local=lambda _: None, window=0.0, pod_uid=pod_uid)
+        await wb.create_object("ns", "o", body("o"), "oid")
+        for claim, pod in (("c-ghost", "ghost"), ("c-reader", "reader")):
+            owned = {"name": claim, "ownerReferences": [{"kind": "Pod", "name": pod, "uid": ""}]}
+            await wb.create_claim("ns", "o", claim, {"metadata": owned, "spec": {"objectName": "o"}}, owner_pod=pod)
+        assert asked == [] and wb.pending_writes == 3
+        api.down = False
+        with pytest.raises(PodNotFoundError, match="ghost"):
+            await wb.flush(5)
+        assert [c[2] for c in api.calls] == ["o", "c-reader"]  # the object and the other claim still landed
+        assert created["c-reader"]["metadata"]["ownerReferences"][0]["uid"] == "uid-of-reader"
+        assert wb.release("claim", "ns", "c-ghost").free_object_id is None  # nothing to delete for it
+        wb.release("claim", "ns", "c-reader")
+        wb.release("object", "ns", "o")
+        await wb.flush(5)
+        assert sorted(api.calls[2:]) == [("delete", "gpuobjectclaims", "c-reader"), ("delete", "gpuobjects", "o")]
         await wb.close()
 
     run(go())

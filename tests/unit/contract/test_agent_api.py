@@ -133,3 +133,33 @@ def test_a_malformed_read_ticket_is_a_value_error(overrides: dict) -> None:
         api.ReadTicket.from_json(_ticket(**overrides))
     with pytest.raises(ValueError):
         api.ReadTicket.from_json([])
+
+
+def test_every_answer_the_agent_writes_reads_back_the_same() -> None:
+    """The agent builds its answers from these shapes; the operator and the fetcher read them with the same."""
+    layout = TensorLayout((2,), "int8", "cpu")
+    ticket = api.ReadTicket(
+        nixl_agent="src-g1",
+        agent_metadata="bWQ=",
+        spans=(api.ReadSpan("DRAM", 0, 4096, 2),),
+        tensors=(layout,),
+        nbytes=2,
+        live_agents=("src-g1",),
+        incarnation="i-1",
+        read_id="r-1",
+        lease_seconds=2.5,
+        descriptors="ZA==",
+    )
+    assert api.ReadTicket.from_json(ticket.to_json()) == ticket
+    grant = api.ReadTicket("src-g1", "", (None,), (TensorLayout((0,), "int8", "cpu"),), generation=3)
+    assert "readId" not in grant.to_json() and "leaseSeconds" not in grant.to_json()
+    assert api.ReadTicket.from_json(grant.to_json()) == grant
+    info = api.AgentInfo("p", "ns", "uid", "inc", "p-g1", ("p-g1",), "2026-01-01T00:00:00.000Z", "h:1")
+    assert api.AgentInfo.from_json(info.to_json()) == info
+    described = api.ObjectDescription("o-1", 2, (layout,), "t", "s", 0)
+    assert api.ObjectDescription.from_json(described.to_json()) == described
+    answer = api.MaterializeAnswer(True, "o-1", 2, "inc", described)
+    assert answer.to_json()["createdAt"] == "t" and api.MaterializeAnswer.from_json(answer.to_json()).id == "o-1"
+    assert api.ErrorAnswer.from_json(api.ErrorAnswer("no").to_json()) == api.ErrorAnswer("no")
+    assert api.HealthAnswer.from_json(api.HealthAnswer("ready", "p-g1").to_json()).nixl_agent == "p-g1"
+    assert api.HandoffReleaseAnswer().to_json() == {"released": True}

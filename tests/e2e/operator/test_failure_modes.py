@@ -1,6 +1,7 @@
-"""The seed scenarios from Ray's GPU-object and reference-counting bugs, end to end.
+"""The failure modes from Ray's GPU-object and reference-counting history, end to end.
 
-Each test would fail on the bug its seed describes (see ../shared/seeds/).
+Each test is named after the failure mode of docs/design ("Five failure modes the design
+prevents") that it proves absent, and would fail if it came back.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _free(endpoint: str, object_id: str, token_file) -> tuple[int, dict]:
         return r.status, json.loads(r.read())
 
 
-def test_seed_000_metadata_is_gone_everywhere_and_a_repeated_free_is_a_noop(
+def test_owner_side_metadata_gc_leaves_nothing_and_a_repeated_free_is_a_noop(
     gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
 ) -> None:
     src, reader = pods.workload("src"), pods.workload("reader")
@@ -59,13 +60,13 @@ def test_seed_000_metadata_is_gone_everywhere_and_a_repeated_free_is_a_noop(
     assert_api_empty(gpuobj_cluster, namespace)
 
 
-def test_seed_001_memory_reused_after_a_free_is_registered_once_and_reads_back_right(
+def test_deregister_after_free_memory_reused_is_registered_once_and_reads_back_right(
     gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
 ) -> None:
     """Deregistration happens before the memory can be reused: a new object in the same memory reads correctly."""
     src, reader = pods.workload("src"), pods.workload("reader")
     for round_ in range(3):
-        # flush: recorded before the wait below for it to be gone (see seed 000).
+        # flush: recorded before the wait below for it to be gone (see the owner-side metadata GC test).
         src.run(f"buf = torch.full((1 << 14,), {round_}.0); ref = client.put([buf], name='r{round_}'); client.flush()")
         shared = src.eval_pickle("client.share(ref, 'reader')")
         reader.run(f"h = client.adopt(load_pickle({shared!r})); got = client.fetch(h)[0]; h.release()")
@@ -76,7 +77,7 @@ def test_seed_001_memory_reused_after_a_free_is_registered_once_and_reads_back_r
     assert_api_empty(gpuobj_cluster, namespace)
 
 
-def test_seed_003_late_reports_failed_writes_and_stream_deletion_leave_nothing(
+def test_streamed_item_leak_late_reports_failed_writes_and_stream_deletion_leave_nothing(
     gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
 ) -> None:
     producer, consumer = pods.workload("producer"), pods.workload("consumer")
@@ -123,11 +124,11 @@ def test_seed_003_late_reports_failed_writes_and_stream_deletion_leave_nothing(
     assert_api_empty(gpuobj_cluster, namespace)
 
 
-def test_seed_004_exiting_with_live_handles_releases_without_fetching(
+def test_teardown_without_deserialization_exiting_with_live_handles_releases_without_fetching(
     gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
 ) -> None:
     src, holder = pods.workload("src"), pods.workload("holder")
-    src.run("big = client.put([torch.ones(1 << 20)], name='big'); client.flush()")  # recorded (see seed 000)
+    src.run("big = client.put([torch.ones(1 << 20)], name='big'); client.flush()")  # recorded (see the first test)
     shared = src.eval_pickle("client.share(big, 'holder')")
     holder.run(f"h = client.adopt(load_pickle({shared!r}))")
     holder.run("own = client.put([torch.ones(8)], name='own')")
