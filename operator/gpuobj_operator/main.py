@@ -149,35 +149,42 @@ class HealthServer:
 def build_registry(reconciler: Reconciler, config: KubeConfig) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
 
+    # Every handler is a coroutine: kopf runs a plain function in its thread pool, and these feed the
+    # ledger and the work queue, which only the event loop may touch (tests/unit/operator/test_handlers.py).
     @kopf.on.login(registry=registry)
-    def login(**_):
+    async def login(**_):
         # The same credentials as our own client (the `kubernetes` package's loaders: kubeconfig with exec
         # plugins or auth-providers, or in-cluster). kopf logs in again after a 401 or at `expiration`, and
-        # each login loads the credentials anew (a new exec run, a re-read token file).
-        config.invalidate()
-        creds = config.credentials()
-        scheme, _, token = (creds.authorization or "").partition(" ")
-        return kopf.ConnectionInfo(
-            server=creds.server,
-            ca_path=creds.ca_path,
-            insecure=creds.insecure or None,
-            certificate_path=creds.cert_path,
-            private_key_path=creds.key_path,
-            scheme=scheme or None,
-            token=token or None,
-            default_namespace=creds.namespace,
-            expiration=creds.expiry,
-        )
+        # each login loads the credentials anew (a new exec run, a re-read token file). The load may run
+        # an exec plugin: a thread does it, and KubeConfig guards its own state with a lock.
+        return await asyncio.to_thread(_connection_info, config)
 
     @kopf.on.event(names.GROUP, names.VERSION, names.PLURAL_OBJECT, registry=registry)
-    def on_object(event, **_):
+    async def on_object(event, **_):
         reconciler.on_object(event["type"], event["object"])
 
     @kopf.on.event(names.GROUP, names.VERSION, names.PLURAL_STREAM, registry=registry)
-    def on_stream(event, **_):
+    async def on_stream(event, **_):
         reconciler.on_stream(event["type"], event["object"])
 
     return registry
+
+
+def _connection_info(config: KubeConfig) -> kopf.ConnectionInfo:
+    config.invalidate()
+    creds = config.credentials()
+    scheme, _, token = (creds.authorization or "").partition(" ")
+    return kopf.ConnectionInfo(
+        server=creds.server,
+        ca_path=creds.ca_path,
+        insecure=creds.insecure or None,
+        certificate_path=creds.cert_path,
+        private_key_path=creds.key_path,
+        scheme=scheme or None,
+        token=token or None,
+        default_namespace=creds.namespace,
+        expiration=creds.expiry,
+    )
 
 
 def kopf_settings() -> kopf.OperatorSettings:
@@ -227,6 +234,7 @@ async def run(args: argparse.Namespace) -> int:
     events = EventRecorder(kube, "gpuobj-operator", args.identity)
     events.start()
     rc = 0
+    stuck = False
     backoff = Backoff(start=0.5, cap=max(1.0, elector.config.retry_seconds * 2))
     try:
         while not stop.is_set():
@@ -241,9 +249,15 @@ async def run(args: argparse.Namespace) -> int:
                 break
             metrics.leader.set(1)
             print(f"gpuobj operator: leading as {args.identity}", flush=True)
-            outcome = await lead(
-                args, config, kube, agents, events, metrics, health, elector, stop, stopping, reconciler_box
-            )
+            try:
+                outcome = await lead(
+                    args, config, kube, agents, events, metrics, health, elector, stop, stopping, reconciler_box
+                )
+            except TermStuck as exc:
+                print(f"gpuobj operator: {exc}; exiting", file=sys.stderr, flush=True)
+                stuck = True
+                rc = 1
+                break
             if outcome == "stopped":
                 break
             if outcome == "failed":
@@ -270,6 +284,11 @@ async def run(args: argparse.Namespace) -> int:
         await kube.close()
         await health.stop()
         print("gpuobj operator: stopped", flush=True)
+    if stuck:
+        # asyncio.run would wait for the tasks that ignored their cancellation, forever: end here.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
     return rc
 
 
@@ -334,10 +353,12 @@ async def lead(
             sync.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await sync
-            return "lease-lost" if hold.done() else "stopped"
+            outcome = "lease-lost" if hold.done() else "stopped"
+            return outcome
         if sync.exception() is not None:
             log.warning("initial sync failed: %r", sync.exception())
-            return "sync-failed"
+            outcome = "sync-failed"
+            return outcome
         pods.start()
         # The claims the sync listed: the informer's first list reports those deleted since as DELETED.
         claims.seed(_claim_stub(c) for c in list(reconciler.ledger.claims.values()))
@@ -373,20 +394,52 @@ async def lead(
             outcome = "failed"
         return outcome
     finally:
-        # Stop acting first, then wind down what only reads.
-        health.state = "standby" if outcome != "stopped" else "stopping"
+        # Stop acting first (and say so: the leader gauge drops with it), then wind down what only reads.
+        metrics.leader.set(0)
+        health.state = "standby" if outcome not in ("stopped", "failed") else "stopping"
+        # A SIGTERM during the wind-down must still stop the process: our handlers, whatever kopf left.
+        _install_signal_handlers(stop)
         hold.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await hold
-        await reconciler.stop()
-        await pods.stop()
-        await claims.stop()
+        stuck = [] if await wind_down(hold, WIND_DOWN_SECONDS) else ["lease renewal"]
+        for name, step in (("workers", reconciler.stop), ("pod watch", pods.stop), ("claims watch", claims.stop)):
+            if not await wind_down(asyncio.ensure_future(step()), WIND_DOWN_SECONDS):
+                stuck.append(name)
         kopf_stop.set()
-        if operator is not None:
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(operator, timeout=10)
+        if operator is not None and not await wind_down(operator, KOPF_STOP_SECONDS, cancel_first=False):
+            stuck.append("kopf")
         # kopf removes the signal handlers it installed on its way out: ours again.
         _install_signal_handlers(stop)
+        if stuck:
+            # What did not stop may still act on what this term knew: never lead again in this process.
+            raise TermStuck(stuck)
+
+
+WIND_DOWN_SECONDS = 10.0  # each part of a term (workers, watches) must stop within this after its cancel
+KOPF_STOP_SECONDS = 15.0  # kopf's own stop (it drains its per-object workers), then it is cancelled
+
+
+class TermStuck(Exception):
+    """Part of a term as leader did not stop when asked: the process must end (its Deployment restarts it)."""
+
+    def __init__(self, parts: list[str]) -> None:
+        super().__init__(f"did not stop: {', '.join(parts)}")
+        self.parts = parts
+
+
+async def wind_down(task: asyncio.Future, seconds: float, *, cancel_first: bool = True) -> bool:
+    """Stop ``task`` within ``seconds`` (cancelled at once, or after half of them if ``cancel_first`` is
+    False, so it can stop on its own first); False if it is still running then. Never waits longer:
+    a task that ignores its cancellation must not hang the replica (it would stand by, do nothing and
+    ignore SIGTERM)."""
+    if not cancel_first:
+        await asyncio.wait({task}, timeout=seconds / 2)
+    task.cancel()
+    await asyncio.wait({task}, timeout=seconds if cancel_first else seconds / 2)
+    if not task.done():
+        return False
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("stopping: %r", task.exception())
+    return True
 
 
 def _claim_stub(c: ClaimInfo) -> dict:
