@@ -39,7 +39,7 @@ from gpuobj_operator.actions import (
     Requeue,
     SetClaimOwner,
 )
-from gpuobj_operator.ledger import Ledger, SourceVerdict, is_lost
+from gpuobj_operator.ledger import Ledger, SourceVerdict, StreamTally, is_lost
 from gpuobj_operator.model import ClaimInfo, Key, ObjectInfo
 from gpuobj_operator.statuses import desired_claim_status, desired_object_status, desired_stream_status
 
@@ -149,20 +149,20 @@ def decide_stream(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
     stream = ledger.streams.get(key)
     if stream is None or not ledger.synced:
         return []
-    items = ledger.stream_items(key)
+    tally = ledger.stream_tallies.get(key) or StreamTally()
     if stream.deleting:
         if not stream.finalized:
             return []
         # Items first: each goes through the normal free path (and waits for its claims).
-        live = [i for i in items if not i.deleting]
-        if live:
+        if tally.live_items:
+            live = [i for i in ledger.stream_items(key) if not i.deleting]
             return [DeleteObject(i.key, i.uid, "StreamDeleted", f"stream {stream.name} was deleted") for i in live]
-        if items:
+        if ledger.has_stream_items(key):
             return []  # wait for the items' frees
         producer = ledger.pods.get((stream.namespace, stream.producer_pod))
         endpoint = producer.endpoint if producer and not producer.terminated else None
         return [FinishStream(stream.key, stream.uid, endpoint, producer.uid if endpoint and producer else "")]
-    desired = desired_stream_status(stream, items)
+    desired = desired_stream_status(stream, tally)
     current = {k: stream.status.get(k) for k in desired}
     if current != desired:
         return [PatchStreamStatus(stream.key, desired)]

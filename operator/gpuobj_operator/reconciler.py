@@ -644,9 +644,8 @@ class Reconciler:
         if a.producer_endpoint:
             try:
                 inventory = await self.agents.inventory(a.producer_endpoint, pod_uid=a.producer_uid)
-                described = {o.object_id for o in self.ledger.objects.values()}
                 for item in inventory.objects:
-                    if item.stream == a.key[1] and item.id not in described:
+                    if item.stream == a.key[1] and not self.ledger.describes(a.key[0], inventory.pod, item.id):
                         result = await self.agents.free(
                             a.producer_endpoint, item.id, reason="StreamDeleted", pod_uid=a.producer_uid
                         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 
 from gpuobj_contract import names
-from gpuobj_operator.ledger import SourceVerdict, is_lost
+from gpuobj_operator.ledger import SourceVerdict, StreamTally, is_lost
 from gpuobj_operator.model import ClaimInfo, ObjectInfo, StreamInfo
 
 
@@ -186,12 +186,11 @@ def desired_claim_status(
     return desired
 
 
-def desired_stream_status(stream: StreamInfo, items: list[ObjectInfo]) -> dict:
-    """A stream's counters: items emitted (never decreasing), live items and their bytes."""
-    emitted = max((i.stream[1] + 1 for i in items if i.stream), default=0)
+def desired_stream_status(stream: StreamInfo, tally: StreamTally) -> dict:
+    """A stream's counters: items emitted (never decreasing), live items and their bytes (ledger.StreamTally)."""
     return {
         "observedGeneration": 1,
-        "emitted": max(emitted, int(stream.status.get("emitted", 0))),
-        "liveItems": len([i for i in items if not i.deleting]),
-        "bytes": sum(i.bytes for i in items if not i.deleting),
+        "emitted": max(tally.emitted, int(stream.status.get("emitted", 0))),
+        "liveItems": tally.live_items,
+        "bytes": tally.live_bytes,
     }
