@@ -6,8 +6,7 @@ import datetime as dt
 
 from gpuobj_contract import names
 from gpuobj_operator import actions
-from gpuobj_operator.ledger import SourceVerdict
-from gpuobj_operator.ledger import StreamTally
+from gpuobj_operator.ledger import SourceVerdict, StreamTally
 from gpuobj_operator.model import ClaimInfo, ObjectInfo, PodInfo, StreamInfo
 from gpuobj_operator.reconciler import Reconciler
 from gpuobj_operator.statuses import (
