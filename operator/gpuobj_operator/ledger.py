@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from gpuobj_contract import names
 from gpuobj_operator.liveness import Liveness
-from gpuobj_operator.model import ClaimInfo, Key, ObjectInfo, PodInfo, StreamInfo
+from gpuobj_operator.model import ClaimInfo, ContainerRun, Key, ObjectInfo, PodInfo, StreamInfo
 
 
 @dataclass
@@ -315,6 +315,9 @@ class Ledger:
     def source_process_gone(self, obj: ObjectInfo, pod: PodInfo) -> tuple[str, str] | None:
         """(reason, message) when the agent process holding this object's bytes is known gone."""
         incarnation = obj.source_incarnation
+        if obj.spec_incarnation and (run := self.liveness.ended_run(pod.key, pod.uid, obj.created)):
+            # Put by a process of a container run that has ended (the kubelet says so): gone with it.
+            return "SourceAgentRestarted", _ended_message(obj.spec_incarnation, pod.name, run)
         if incarnation:
             why = self.liveness.incarnation_dead(
                 pod.key, pod.uid, incarnation, self.learned_at.get(obj.uid, float("inf"))
@@ -354,11 +357,17 @@ class Ledger:
 
     def holder_process_gone(self, claim: ClaimInfo) -> str | None:
         """Why the process this claim belongs to is known gone, or None (see holder_incarnation)."""
-        incarnation = self.holder_incarnation(claim)
-        if not incarnation or not claim.holder_pod:
+        if not claim.holder_pod or not (claim.holder_incarnation or self.needs_scope(claim)):
             return None
         pod = self.pods.get((claim.namespace, claim.holder_pod))
         uid = pod.uid if pod is not None else claim.owner_pods.get(claim.holder_pod)
+        if run := self.liveness.ended_run((claim.namespace, claim.holder_pod), uid, claim.created):
+            # Made while a container run lived that has ended: its process (named, or the one alive then
+            # for a share that named only the pod) went with it, whether or not a probe ever reached it.
+            return f"holder {_ended_message(claim.holder_incarnation, claim.holder_pod, run)}"
+        incarnation = self.holder_incarnation(claim)
+        if not incarnation:
+            return None
         why = self.liveness.incarnation_dead(
             (claim.namespace, claim.holder_pod),
             uid,
@@ -419,6 +428,14 @@ class Ledger:
             entry[0] += 1
             entry[1] += obj.bytes
         return {k: (v[0], v[1]) for k, v in result.items()}
+
+
+def _ended_message(incarnation: str | None, pod: str, run: ContainerRun) -> str:
+    who = f"agent process {incarnation}" if incarnation else "the agent process"
+    return (
+        f"{who} of pod {pod} ran in container {run.container_id[-12:]}, which ended at "
+        f"{run.finished:%H:%M:%S} (the kubelet reports a restart)"
+    )
 
 
 def _older(a: str, b: str) -> bool:

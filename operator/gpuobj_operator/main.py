@@ -27,12 +27,12 @@ from gpuobj_contract import names
 from gpuobj_kube.client import CLAIMS, PODS, KubeClient
 from gpuobj_kube.config import KubeConfig
 from gpuobj_kube.config import load as load_config
+from gpuobj_kube.informer import Informer
 from gpuobj_operator.agent_client import AgentClient
+from gpuobj_operator.claimcheck import Watermark
 from gpuobj_operator.events import EventRecorder
-from gpuobj_operator.informer import Informer
 from gpuobj_operator.leader import Backoff, LeaderElector, LeaseConfig
 from gpuobj_operator.metrics import OperatorMetrics
-from gpuobj_operator.model import ClaimInfo
 from gpuobj_operator.progress_marker import ProgressMarker, marker_writer
 from gpuobj_operator.reconciler import LABEL_AGENT_SELECTOR, Reconciler
 
@@ -89,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--liveness-interval",
         type=float,
-        default=1.0,
-        help="seconds between probes of each agent (GET /v1/info; backs off while one fails); 0 disables",
+        default=20.0,
+        help="seconds between backstop probes of each agent (GET /v1/info): container restarts come from the "
+        "pod watch, and a restart or a new share asks for a probe at once (docs/liveness.md); 0 disables",
     )
     p.add_argument(
         "--claims-read-delay",
@@ -328,8 +329,9 @@ async def lead(
     pods = Informer(kube, PODS, reconciler.on_pod, namespace=args.namespace, label_selector=LABEL_AGENT_SELECTOR)
     # Claims through our own in-order informer, not kopf: its watermark lets a free skip the claims
     # read once every claim event up to the object's deletion is in the ledger (claimcheck.py).
-    claims = Informer(kube, CLAIMS, reconciler.on_claim, namespace=args.namespace)
-    reconciler.claims_watermark = claims.watermark
+    watermark = Watermark()
+    claims = Informer(kube, CLAIMS, reconciler.on_claim, namespace=args.namespace, on_progress=watermark.observe)
+    reconciler.claims_watermark = watermark
     if args.claims_read_delay is not None:
         reconciler.claims_read_delay = args.claims_read_delay
     elif not args.claims_progress_marker:
@@ -337,7 +339,7 @@ async def lead(
     if args.claims_progress_marker:
         marker_namespace = args.namespace or args.lease_namespace
         reconciler.progress_marker = ProgressMarker(
-            claims.watermark,
+            watermark,
             marker_writer(kube, marker_namespace),
             on_write=lambda ok: metrics.claims_marker_writes.labels("written" if ok else "failed").inc(),
         )
@@ -359,10 +361,11 @@ async def lead(
             log.warning("initial sync failed: %r", sync.exception())
             outcome = "sync-failed"
             return outcome
-        pods.start()
-        # The claims the sync listed: the informer's first list reports those deleted since as DELETED.
-        claims.seed(_claim_stub(c) for c in list(reconciler.ledger.claims.values()))
-        claims.start()
+        # Both watches take over from the sync's own lists: a pod or claim deleted since arrives as DELETED.
+        for informer, kind in ((pods, "pods"), (claims, "claims")):
+            version, stubs = reconciler.listed[kind]
+            informer.seed(stubs, version)
+            informer.start()
         reconciler.start()
         health.state = "leading"
         print("gpuobj operator: synced and reconciling", flush=True)
@@ -384,8 +387,13 @@ async def lead(
         # kopf installed its own signal handlers; take them back so that a SIGTERM stops kopf through
         # its stop flag (a clean stop) and lets us release the lease on the way out.
         _install_signal_handlers(stop)
-        done, _ = await asyncio.wait({operator, hold, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if hold in done and not hold.cancelled():
+        watches = {t for t in (pods.task, claims.task) if t is not None}
+        done, _ = await asyncio.wait({operator, hold, stopping, *watches}, return_when=asyncio.FIRST_COMPLETED)
+        if failed := [t for t in done & watches if not t.cancelled() and t.exception()]:
+            # A watch failed for longer than it retries: say why (the real error), and end the process.
+            log.error("%s (caused by %r)", failed[0].exception(), failed[0].exception().__cause__)
+            outcome = "failed"
+        elif hold in done and not hold.cancelled():
             reason = f": {hold.exception()!r}" if hold.exception() else ""
             print(f"gpuobj operator: lost leadership{reason}; stopping acting", file=sys.stderr, flush=True)
             outcome = "lease-lost"
@@ -440,11 +448,6 @@ async def wind_down(task: asyncio.Future, seconds: float, *, cancel_first: bool 
     if not task.cancelled() and task.exception() is not None:
         log.warning("stopping: %r", task.exception())
     return True
-
-
-def _claim_stub(c: ClaimInfo) -> dict:
-    meta = {"namespace": c.namespace, "name": c.name, "uid": c.uid}
-    return {"metadata": meta, "spec": {"objectName": c.object_name}}
 
 
 def _install_signal_handlers(stop: asyncio.Event) -> None:

@@ -65,6 +65,8 @@ log = logging.getLogger("gpuobj.operator")
 WorkItem = tuple[str, Key]
 LABEL_AGENT_SELECTOR = f"{names.LABEL_AGENT}=true"
 PROBE_GAP = 0.05  # seconds: the least time between two probes of one agent asked for by new shares
+ASKED_PROBE_GAP = 0.25  # seconds between probes of an agent asked for that does not answer yet
+ASKED_PROBING_SECONDS = 30.0  # how long such an agent is probed that often (then the backstop interval)
 
 
 class RetryLater(Exception):
@@ -97,8 +99,8 @@ class Reconciler:
         namespace: str | None = None,
         status_delay: float = 0.25,
         allow_agent_host_annotation: bool = False,
-        liveness_interval: float = 1.0,
-        liveness_max_backoff: float = 8.0,
+        liveness_interval: float = 20.0,
+        liveness_max_backoff: float = 60.0,
         probe_timeout: float = 2.0,
         may_act: Callable[[], bool] | None = None,
     ) -> None:
@@ -114,6 +116,7 @@ class Reconciler:
         self.resync_interval = resync_interval
         self.namespace = namespace
         self._tasks: list[asyncio.Task] = []
+        self.listed: dict[str, tuple[str, list[dict]]] = {}  # kind -> (resourceVersion, stubs) of the sync
         self._freed: set[str] = set()  # uids freed and awaiting their DELETED event
         # uid -> (the agent's answer, asked at, answered at): freed on the agent, its finalizer not removed
         # yet. A retry goes straight to the finalizer, and counts and reports the free that happened.
@@ -159,10 +162,17 @@ class Reconciler:
             if not self.is_marker(c):
                 self.ledger.upsert_claim(parse_claim(c), now)
         for p in pods["items"]:
-            self.ledger.upsert_pod(self._parse_pod(p))
+            pod = self._parse_pod(p)
+            self.ledger.liveness.observe_container(pod.key, pod.uid, pod.agent_container)
+            self.ledger.upsert_pod(pod)
         for o in objects["items"]:
             self.ledger.upsert_object(parse_object(o), now)
         self.ledger.synced = True
+        # Where the pod and claims watches take over: from these lists, so nothing after them is missed.
+        self.listed = {
+            "pods": (pods["metadata"]["resourceVersion"], [_stub(p) for p in pods["items"]]),
+            "claims": (claims["metadata"]["resourceVersion"], [_stub(c) for c in claims["items"]]),
+        }
         self.enqueue_all()
         log.info(
             "synced: %d objects, %d claims, %d streams, %d agent pods",
@@ -249,6 +259,10 @@ class Reconciler:
             self._probe_due.pop(info.key, None)
             self._probe_asked.pop(info.key, None)
             self._probe_started.pop(info.key, None)
+        elif self.ledger.liveness.observe_container(info.key, info.uid, info.agent_container):
+            # The kubelet reports a restart: the ended run's records go by its times (liveness.py); for
+            # the rest, ask the agent now which process lives instead of at the next backstop probe.
+            self.probe_soon(info.key)
         self.enqueue(self.ledger.remove_pod(info) if event_type == "DELETED" else self.ledger.upsert_pod(info))
 
     # ------------------------------------------------------------ workers
@@ -752,8 +766,13 @@ class Reconciler:
         self._probe_due[pod.key] = started + liveness.probe_delay(
             pod.key, self.liveness_interval, self.liveness_max_backoff
         )
-        if self._probe_asked.get(pod.key, float("-inf")) >= started:
+        asked = self._probe_asked.get(pod.key, float("-inf"))
+        if asked >= started:
             self._probe_due[pod.key] = started  # asked for while this probe ran: it may predate the share
+        elif liveness.agents[pod.key].incarnation is None and started - asked < ASKED_PROBING_SECONDS:
+            # Asked for (a share to scope, a restart) and nothing answers yet: a process that is still
+            # starting must be reached as soon as it listens, not at the next backstop probe.
+            self._probe_due[pod.key] = min(self._probe_due[pod.key], started + ASKED_PROBE_GAP)
         else:
             self._probe_asked.pop(pod.key, None)
         self.enqueue(self.ledger.suspect_records(pod.key))
@@ -781,6 +800,15 @@ Reconciler._executors = {
     FinishStream: Reconciler._do_FinishStream,
     Emit: Reconciler._do_Emit,
 }
+
+
+def _stub(raw: dict) -> dict:
+    """What an informer must remember of a listed object to report its deletion: its identity."""
+    meta = raw["metadata"]
+    stub = {"metadata": {k: meta[k] for k in ("namespace", "name", "uid") if k in meta}}
+    if "spec" in raw and "objectName" in (raw["spec"] or {}):
+        stub["spec"] = {"objectName": raw["spec"]["objectName"]}
+    return stub
 
 
 def _now() -> str:
