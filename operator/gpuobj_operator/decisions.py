@@ -22,6 +22,7 @@ import datetime as dt
 from collections.abc import Callable
 
 from gpuobj_contract import names
+from gpuobj_contract.agent_api import Inventory, InventoryItem
 from gpuobj_operator.actions import (
     Action,
     AddFinalizer,
@@ -167,6 +168,16 @@ def decide_stream(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
     if current != desired:
         return [PatchStreamStatus(stream.key, desired)]
     return []
+
+
+def unreported_stream_items(ledger: Ledger, stream: Key, inventory: Inventory) -> list[InventoryItem]:
+    """Items of a deleted stream that its producer's agent holds and no GPUObject describes (written,
+    never reported): the stream's end frees them there."""
+    return [
+        item
+        for item in inventory.objects
+        if item.stream == stream[1] and not ledger.describes(stream[0], inventory.pod, item.id)
+    ]
 
 
 _DECIDERS: dict[str, Callable[[Ledger, Key, dt.datetime], list[Action]]] = {

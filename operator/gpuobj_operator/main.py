@@ -35,6 +35,7 @@ from gpuobj_operator.leader import Backoff, LeaderElector, LeaseConfig
 from gpuobj_operator.metrics import OperatorMetrics
 from gpuobj_operator.progress_marker import ProgressMarker, marker_writer
 from gpuobj_operator.reconciler import LABEL_AGENT_SELECTOR, Reconciler
+from gpuobj_operator.settings import Settings
 
 log = logging.getLogger("gpuobj.operator")
 
@@ -188,6 +189,26 @@ def _connection_info(config: KubeConfig) -> kopf.ConnectionInfo:
     )
 
 
+def settings_from(args: argparse.Namespace) -> Settings:
+    """The reconciler's settings from the command line."""
+    if args.claims_read_delay is not None:
+        read_delay = args.claims_read_delay
+    else:  # nothing but the claims themselves moves the watch on without the marker: read soon
+        read_delay = 0.05 if args.claims_progress_marker else 0.005
+    return Settings(
+        workers=args.workers,
+        namespace=args.namespace,
+        allow_agent_host_annotation=args.allow_agent_host_annotation,
+        leak_settle_seconds=args.leak_settle,
+        leak_grace_seconds=args.leak_grace,
+        audit_interval=args.audit_interval,
+        resync_interval=args.resync_interval,
+        status_delay=args.status_delay,
+        liveness_interval=args.liveness_interval,
+        claims_read_delay=read_delay,
+    )
+
+
 def kopf_settings() -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     settings.posting.enabled = False  # we post our own Events, in the background
@@ -309,36 +330,17 @@ async def lead(
     """One term as leader: a fresh ledger from a fresh LIST, then kopf's watches, until the lease is
     lost ("lease-lost"), the process is asked to stop ("stopped") or kopf fails ("failed"). Everything
     this term started is stopped before it returns, so nothing it knew outlives it."""
-    reconciler = Reconciler(
-        kube,
-        agents,
-        metrics,
-        events,
-        workers=args.workers,
-        leak_settle_seconds=args.leak_settle,
-        leak_grace_seconds=args.leak_grace,
-        audit_interval=args.audit_interval,
-        resync_interval=args.resync_interval,
-        status_delay=args.status_delay,
-        liveness_interval=args.liveness_interval,
-        may_act=elector.holds_lease,
-        namespace=args.namespace,
-        allow_agent_host_annotation=args.allow_agent_host_annotation,
-    )
+    reconciler = Reconciler(kube, agents, metrics, events, settings_from(args), may_act=elector.holds_lease)
     reconciler_box[:] = [reconciler]
     pods = Informer(kube, PODS, reconciler.on_pod, namespace=args.namespace, label_selector=LABEL_AGENT_SELECTOR)
     # Claims through our own in-order informer, not kopf: its watermark lets a free skip the claims
     # read once every claim event up to the object's deletion is in the ledger (claimcheck.py).
     watermark = Watermark()
     claims = Informer(kube, CLAIMS, reconciler.on_claim, namespace=args.namespace, on_progress=watermark.observe)
-    reconciler.claims_watermark = watermark
-    if args.claims_read_delay is not None:
-        reconciler.claims_read_delay = args.claims_read_delay
-    elif not args.claims_progress_marker:
-        reconciler.claims_read_delay = 0.005  # nothing else moves the watch on: read soon
+    reconciler.free_path.claims_watermark = watermark
     if args.claims_progress_marker:
         marker_namespace = args.namespace or args.lease_namespace
-        reconciler.progress_marker = ProgressMarker(
+        reconciler.free_path.progress_marker = ProgressMarker(
             watermark,
             marker_writer(kube, marker_namespace),
             on_write=lambda ok: metrics.claims_marker_writes.labels("written" if ok else "failed").inc(),
@@ -363,7 +365,7 @@ async def lead(
             return outcome
         # Both watches take over from the sync's own lists: a pod or claim deleted since arrives as DELETED.
         for informer, kind in ((pods, "pods"), (claims, "claims")):
-            version, stubs = reconciler.listed[kind]
+            version, stubs = reconciler.intake.listed[kind]
             informer.seed(stubs, version)
             informer.start()
         reconciler.start()

@@ -8,6 +8,7 @@ without a server (KubeRay's habit: builders separate from the reconcilers that d
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import dataclass
 
 from gpuobj_contract import names
 from gpuobj_operator.ledger import SourceVerdict, StreamTally, is_lost
@@ -194,3 +195,21 @@ def desired_stream_status(stream: StreamInfo, tally: StreamTally) -> dict:
         "liveItems": tally.live_items,
         "bytes": tally.live_bytes,
     }
+
+
+@dataclass(frozen=True)
+class AfterMaterializeError:
+    """What follows an agent's refusal to materialize: the status to write; ``retry`` (why) when the
+    object waits for its key to be published, else the Warning's ``reason`` (it failed for good)."""
+
+    status: dict
+    retry: str = ""
+    reason: str = ""
+
+
+def after_materialize_error(obj: ObjectInfo, http_status: int, message: str, now: str) -> AfterMaterializeError:
+    if http_status == 404:  # the key the object names is not published (yet): Pending, and ask again
+        pending = pending_status(generation=obj.generation, reason="KeyNotPublished", message=message, now=now)
+        return AfterMaterializeError(pending, retry=f"key {obj.key_name!r} not published yet")
+    failed = failed_status(generation=obj.generation, reason="MaterializeFailed", message=message, now=now)
+    return AfterMaterializeError(failed, reason="MaterializeFailed")
