@@ -210,11 +210,15 @@ class Reconciler:
             return
         except AgentUnreachable as exc:
             raise RetryLater(f"agent at {a.endpoint} unreachable: {exc}") from exc
-        status = statuses.materialized_status(
+        status = statuses.materialized_object_status(
+            obj,
+            self.ledger.source_verdict(obj),
+            self.ledger.live_claims(obj),
             object_id=a.object_id,
             pod_uid=pod.uid,
             endpoint=a.endpoint,
             incarnation=answer.incarnation,
+            now=dt.datetime.now(dt.UTC),
         )
         await self._patch_object_status(a.key, status)
         self._emit(

@@ -7,6 +7,7 @@ without a server (KubeRay's habit: builders separate from the reconcilers that d
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from dataclasses import dataclass
 
@@ -43,6 +44,24 @@ def materialized_status(*, object_id: str, pod_uid: str, endpoint: str, incarnat
         "sourcePodUID": pod_uid,
         "transport": {"backend": "nixl", "agentEndpoint": endpoint, "agentIncarnation": incarnation},
     }
+
+
+def materialized_object_status(
+    obj: ObjectInfo,
+    verdict: SourceVerdict,
+    claims: list[ClaimInfo],
+    *,
+    object_id: str,
+    pod_uid: str,
+    endpoint: str,
+    incarnation: str,
+    now: dt.datetime,
+) -> dict:
+    """The one status write that makes a declared object Ready: the agent's answer together with the
+    counts and conditions the ledger derives (else BYTES and REFS show blank until a second write)."""
+    answer = materialized_status(object_id=object_id, pod_uid=pod_uid, endpoint=endpoint, incarnation=incarnation)
+    held = dataclasses.replace(obj, status={**obj.status, **answer})
+    return {**desired_object_status(held, verdict, claims, now), **answer}
 
 
 def pending_status(*, generation: int, reason: str, message: str, now: str) -> dict:

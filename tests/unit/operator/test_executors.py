@@ -241,3 +241,20 @@ def test_after_a_materialize_error_the_status_says_what_follows(status: int, sta
         assert [reason for reason, _ in events.posted] == ([] if retried else ["MaterializeFailed"])
 
     asyncio.run(go())
+
+
+def test_a_declared_object_becomes_ready_with_its_bytes_and_references_in_one_status_write() -> None:
+    async def go() -> None:
+        r, api, _, events = setup((GPUOBJECTS, object_body(declared=True)), (CLAIMS, claim_body("reader")))
+        await r.sync()
+        (action,) = decide(r.ledger, "object", (NS, "w"), dt.datetime.now(dt.UTC))
+        await r.execute(action)
+        writes = [c for c in api.calls if c == ("patch", "gpuobjects", "status")]
+        status = api.store[("gpuobjects", NS, "w")]["status"]
+        assert len(writes) == 1
+        assert (status["state"], status["bytes"], status["references"], status["claims"]) == ("Ready", 64, 2, 1)
+        assert status["transport"]["agentIncarnation"] == "inc-1"
+        assert decide(r.ledger, "object", (NS, "w"), dt.datetime.now(dt.UTC)) == []  # nothing left to write
+        assert [reason for reason, _ in events.posted] == ["Materialized"]
+
+    asyncio.run(go())
