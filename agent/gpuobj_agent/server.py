@@ -11,6 +11,7 @@ unknown objects on read paths a 404, and no user input can produce a 500 or chan
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -175,6 +176,15 @@ async def _body(request: web.Request, allowed: set[str], *, required: bool = Fal
     return data
 
 
+def _query_int(request: web.Request, key: str, low: int, high: int, *, default: int) -> int:
+    text = request.query.get(key)
+    if text is None:
+        return default
+    if not text.isdigit() or not low <= int(text) <= high:
+        raise BadRequest(f"{key} must be a whole number from {low} to {high}")
+    return int(text)
+
+
 def _opt_str(data: dict[str, Any], key: str, limit: int = 1024) -> str | None:
     value = data.get(key)
     if value is None:
@@ -235,7 +245,24 @@ class Routes:
         return web.json_response(self.agent.info())
 
     async def inventory(self, request: web.Request) -> web.Response:
-        return web.json_response(self.agent.inventory())
+        """Everything, or one page of it (`limit`, `continue`: gpuobj_contract.agent_api.MAX_INVENTORY_PAGE)."""
+        answer = self.agent.inventory()
+        if "limit" not in request.query and "continue" not in request.query:
+            return web.json_response(answer)
+        limit = _query_int(request, "limit", 1, api.MAX_INVENTORY_PAGE, default=api.INVENTORY_PAGE)
+        after: tuple[str, str] | None = None
+        if "continue" in request.query:
+            try:
+                after = api.parse_inventory_token(request.query["continue"])
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
+        ordered = sorted(answer["objects"], key=api.inventory_order)
+        start = 0 if after is None else bisect.bisect_right(ordered, after, key=api.inventory_order)
+        page = ordered[start : start + limit]
+        answer["objects"] = page
+        if start + limit < len(ordered):
+            answer["continue"] = api.inventory_token(page[-1])
+        return web.json_response(answer)
 
     async def get_object(self, request: web.Request) -> web.Response:
         return web.json_response(self.store.describe(check_id(request.match_info["id"])))

@@ -320,24 +320,66 @@ class InventoryItem:
         )
 
 
+# INVENTORY pages: `?limit=N` (1..MAX_INVENTORY_PAGE) answers at most N objects, oldest first, and a
+# `continue` token when more follow; `?continue=TOKEN&limit=N` the next page. Without `limit` the
+# answer holds every object (one answer; about 300 bytes an object).
+MAX_INVENTORY_PAGE = 5000
+INVENTORY_PAGE = 1000  # what the operator asks for: a 10,000-object store is ten answers of ~300 KB
+
+
+def inventory_order(item: dict[str, Any]) -> tuple[str, str]:
+    """Where an object stands in the inventory's pages: its creation time, then its id. Both are fixed
+    for the object's life, so an object held while the pages are read is on exactly one of them, however
+    many others come and go meanwhile (a page boundary is a position in this order, not an offset)."""
+    return (str(item.get("createdAt", "")), str(item.get("id", "")))
+
+
+def inventory_token(item: dict[str, Any]) -> str:
+    """The `continue` token after ``item``: its place in inventory_order."""
+    created, object_id = inventory_order(item)
+    return f"{created}|{object_id}"
+
+
+def parse_inventory_token(token: str) -> tuple[str, str]:
+    """The position a `continue` token names; ValueError for one no agent would have written."""
+    created, sep, object_id = token.partition("|")
+    if not sep or not is_object_id(object_id) or len(created) > 64:
+        raise ValueError(f"not an inventory continue token: {token[:80]!r}")
+    return created, object_id
+
+
 @dataclass(frozen=True)
 class Inventory:
-    """What an agent holds, and whose agent it is (pod, UID, process incarnation)."""
+    """What an agent holds, and whose agent it is (pod, UID, process incarnation). One page of it when
+    ``continue_token`` is set: the rest follows from INVENTORY with `continue`."""
 
     pod: str
     namespace: str
     pod_uid: str
     incarnation: str
     objects: tuple[InventoryItem, ...] = field(default_factory=tuple)
+    continue_token: str = ""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Inventory:
+        """Strict: an answer without its identity or its object list is refused (ValueError), never read
+        as "holds nothing" (the audit would then find every object missing, or every leak gone)."""
+        objects = data.get("objects")
+        if not isinstance(objects, list):
+            raise ValueError("an inventory without an objects list")
+        if not data.get("podUID") or not data.get("incarnation"):
+            raise ValueError("an inventory without the agent's podUID and incarnation")
+        try:
+            items = tuple(InventoryItem.from_json(o) for o in objects)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"a malformed inventory item: {exc!r}") from None
         return cls(
             pod=str(data.get("pod", "")),
             namespace=str(data.get("namespace", "")),
-            pod_uid=str(data.get("podUID", "")),
-            incarnation=str(data.get("incarnation", "")),
-            objects=tuple(InventoryItem.from_json(o) for o in data.get("objects", [])),
+            pod_uid=str(data["podUID"]),
+            incarnation=str(data["incarnation"]),
+            objects=items,
+            continue_token=str(data.get("continue") or ""),
         )
 
 

@@ -13,18 +13,44 @@ timeout or a 5xx is not, and is retried.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 from pathlib import Path
+from urllib.parse import quote
 
 import aiohttp
 
 from gpuobj_contract import agent_api as api
 from gpuobj_contract import names
-from gpuobj_contract.agent_api import FreeAnswer, FreeRequest, Inventory, MaterializeAnswer, MaterializeRequest
+from gpuobj_contract.agent_api import (
+    FreeAnswer,
+    FreeRequest,
+    Inventory,
+    InventoryItem,
+    MaterializeAnswer,
+    MaterializeRequest,
+)
 
-# A 10,000-object inventory is about 3 MiB of JSON; an agent that sends more is refused, not read.
+# A 1,000-object inventory page is about 300 KB of JSON; an agent that sends more than this in one
+# answer is refused, not read. The pages of one inventory are bounded too (a million objects).
 MAX_ANSWER_BYTES = 16 << 20
+MAX_INVENTORY_PAGES = 1000
+
+
+async def _read_body(resp: aiohttp.ClientResponse, endpoint: str) -> bytes:
+    """The whole body, at most MAX_ANSWER_BYTES. (``content.read(n)`` returns what is buffered so far:
+    a 151 KB inventory once came back cut, and was read as an empty store.)"""
+    if resp.content_length is not None and resp.content_length > MAX_ANSWER_BYTES:
+        raise AgentError(413, f"the agent at {endpoint} answers {resp.content_length} bytes, over {MAX_ANSWER_BYTES}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > MAX_ANSWER_BYTES:
+            raise AgentError(413, f"the agent at {endpoint} answered more than {MAX_ANSWER_BYTES} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class AgentError(Exception):
@@ -98,12 +124,12 @@ class AgentClient:
                 timeout=aiohttp.ClientTimeout(total=timeout or self.timeout),
                 allow_redirects=False,
             ) as resp:
-                raw = await resp.content.read(MAX_ANSWER_BYTES + 1)
-                if len(raw) > MAX_ANSWER_BYTES:
-                    raise AgentError(413, f"the agent at {endpoint} answered more than {MAX_ANSWER_BYTES} bytes")
+                raw = await _read_body(resp, endpoint)
                 try:
                     data = json.loads(raw) if raw.strip() else {}
                 except ValueError:
+                    if resp.status < 400:  # a cut or garbled answer is an error, never an empty one
+                        raise AgentError(502, f"the agent at {endpoint} answered invalid JSON") from None
                     data = {"error": raw[:300].decode(errors="replace")}
                 if not isinstance(data, dict):
                     raise AgentError(502, f"the agent at {endpoint} answered something that is not a JSON object")
@@ -125,8 +151,30 @@ class AgentClient:
             await self._call(route, endpoint, path, pod_uid=pod_uid, body=body, timeout=self.free_timeout)
         )
 
-    async def inventory(self, endpoint: str, *, pod_uid: str) -> Inventory:
-        return Inventory.from_json(await self._call(api.INVENTORY, endpoint, api.INVENTORY.path(), pod_uid=pod_uid))
+    async def inventory(self, endpoint: str, *, pod_uid: str, page: int = api.INVENTORY_PAGE) -> Inventory:
+        """The agent's whole inventory, read page by page (agent_api.INVENTORY_PAGE). An object held
+        throughout is on exactly one page; the pages must all come from one process (else AgentError)."""
+        first: Inventory | None = None
+        objects: list[InventoryItem] = []
+        token = ""
+        for _ in range(MAX_INVENTORY_PAGES):
+            query = f"?limit={page}" + (f"&continue={quote(token, safe='')}" if token else "")
+            data = await self._call(api.INVENTORY, endpoint, api.INVENTORY.path() + query, pod_uid=pod_uid)
+            try:
+                part = Inventory.from_json(data)
+            except ValueError as exc:
+                raise AgentError(502, f"the agent at {endpoint} answered a malformed inventory: {exc}") from None
+            if first is None:
+                first = part
+            elif (part.pod_uid, part.incarnation) != (first.pod_uid, first.incarnation):
+                raise AgentError(409, f"the agent at {endpoint} changed process while its inventory was read")
+            objects.extend(part.objects)
+            if not part.continue_token:
+                return dataclasses.replace(first, objects=tuple(objects), continue_token="")
+            if part.continue_token == token or not part.objects:
+                raise AgentError(502, f"the agent at {endpoint} answered a page that does not move on")
+            token = part.continue_token
+        raise AgentError(502, f"the agent at {endpoint} answered more than {MAX_INVENTORY_PAGES} inventory pages")
 
     async def info(self, endpoint: str, *, pod_uid: str, timeout: float | None = None) -> dict:
         return await self._call(api.INFO, endpoint, api.INFO.path(), pod_uid=pod_uid, timeout=timeout)

@@ -71,7 +71,16 @@ def evaluate(
         elif item.id in pending_free_age and pending_free_age[item.id] >= grace_seconds:
             # Out of scope for longer than the grace period and still held: a free that did not happen.
             findings.leaked_bytes += item.bytes
-    findings.missing = [o for oid, o in expected_before.items() if oid not in held and oid in described]
+    # Missing: expected before asking, not held, and still expected now. An object freed or deleted while
+    # the (paged) inventory was read is gone by design, not lost: judged on its record as it is now.
+    findings.missing = [
+        now
+        for oid in expected_before
+        if oid not in held
+        and (now := described.get(oid)) is not None
+        and not now.deleting
+        and now.state != names.STATE_LOST
+    ]
     return findings
 
 

@@ -70,7 +70,7 @@ class Auditor:
         for pod, result in zip(pods, results, strict=True):
             if isinstance(result, BaseException):
                 self.metrics.audits.labels("error").inc()
-                log.debug("audit of %s/%s skipped: %s", pod.namespace, pod.name, result)
+                log.info("audit of %s/%s failed: %r", pod.namespace, pod.name, result)
                 continue
             self.metrics.audits.labels("ok").inc()
             self.metrics.saw_namespace(pod.namespace)

@@ -22,6 +22,7 @@ import datetime as dt
 from collections.abc import Callable
 
 from gpuobj_contract import names
+from gpuobj_contract.agent_api import Inventory, InventoryItem
 from gpuobj_operator.actions import (
     Action,
     AddFinalizer,
@@ -39,7 +40,7 @@ from gpuobj_operator.actions import (
     Requeue,
     SetClaimOwner,
 )
-from gpuobj_operator.ledger import Ledger, SourceVerdict, is_lost
+from gpuobj_operator.ledger import Ledger, SourceVerdict, StreamTally, is_lost
 from gpuobj_operator.model import ClaimInfo, Key, ObjectInfo
 from gpuobj_operator.statuses import desired_claim_status, desired_object_status, desired_stream_status
 
@@ -149,24 +150,34 @@ def decide_stream(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
     stream = ledger.streams.get(key)
     if stream is None or not ledger.synced:
         return []
-    items = ledger.stream_items(key)
+    tally = ledger.stream_tallies.get(key) or StreamTally()
     if stream.deleting:
         if not stream.finalized:
             return []
         # Items first: each goes through the normal free path (and waits for its claims).
-        live = [i for i in items if not i.deleting]
-        if live:
+        if tally.live_items:
+            live = [i for i in ledger.stream_items(key) if not i.deleting]
             return [DeleteObject(i.key, i.uid, "StreamDeleted", f"stream {stream.name} was deleted") for i in live]
-        if items:
+        if ledger.has_stream_items(key):
             return []  # wait for the items' frees
         producer = ledger.pods.get((stream.namespace, stream.producer_pod))
         endpoint = producer.endpoint if producer and not producer.terminated else None
         return [FinishStream(stream.key, stream.uid, endpoint, producer.uid if endpoint and producer else "")]
-    desired = desired_stream_status(stream, items)
+    desired = desired_stream_status(stream, tally)
     current = {k: stream.status.get(k) for k in desired}
     if current != desired:
         return [PatchStreamStatus(stream.key, desired)]
     return []
+
+
+def unreported_stream_items(ledger: Ledger, stream: Key, inventory: Inventory) -> list[InventoryItem]:
+    """Items of a deleted stream that its producer's agent holds and no GPUObject describes (written,
+    never reported): the stream's end frees them there."""
+    return [
+        item
+        for item in inventory.objects
+        if item.stream == stream[1] and not ledger.describes(stream[0], inventory.pod, item.id)
+    ]
 
 
 _DECIDERS: dict[str, Callable[[Ledger, Key, dt.datetime], list[Action]]] = {

@@ -1,4 +1,13 @@
-"""Which agent process (incarnation) of each pod is alive, from the operator's probes. Pure.
+"""Which agent process (incarnation) of each pod is alive: from the kubelet's container statuses
+(the pod watch) first, and the operator's probes as a slow backstop. Pure. (docs/liveness.md)
+
+From the kubelet: a container run that ended (lastState.terminated, or state.terminated, with its
+startedAt and finishedAt) took every process of it along. A record (a put's GPUObject, a claim) was
+made while its process lived; one made well inside an ended run [startedAt + margin, finishedAt -
+margin] (creationTimestamp against the kubelet's times: whole seconds and two clocks, hence the
+margin) belongs to a process of that run, so it is dead: no probe needed, and no guess either. A
+record near a run's edge, or with no times to compare, is left to the probes, which a restart the
+pod watch reports asks for at once.
 
 Why: a container that crashes while its pod stays leaves the Pod object untouched, so the
 pod watch says nothing; only the agent itself can say that the process that made a record
@@ -21,9 +30,10 @@ probe), the claim is scoped to its successor and waits, as before, for that one 
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass, field
 
-from gpuobj_operator.model import Key
+from gpuobj_operator.model import AgentContainer, ContainerRun, Key
 
 
 @dataclass
@@ -40,12 +50,61 @@ class AgentState:
 
 
 HISTORY = 16  # incarnations remembered per pod for scoping; older ones only make a scope newer (safe)
+# Seconds a record's creationTimestamp must lie inside an ended container run to belong to it: both
+# times are whole seconds (1) and from two clocks, the API server's and the node's (1 more).
+CLOCK_MARGIN = 2.0
+CONFIRM_DELAY = 0.1  # seconds between a refused probe and the one that confirms it
+
+
+@dataclass
+class ContainerRuns:
+    """The runs of one pod's agent container that the kubelet reported ended, by container id."""
+
+    pod_uid: str
+    current: str | None = None  # the container id of the run the kubelet reports now
+    restart_count: int = 0
+    ended: dict[str, ContainerRun] = field(default_factory=dict)
 
 
 @dataclass
 class Liveness:
     confirm_refusals: int = 2
     agents: dict[Key, AgentState] = field(default_factory=dict)
+    containers: dict[Key, ContainerRuns] = field(default_factory=dict)
+    clock_margin: float = CLOCK_MARGIN
+
+    def observe_container(self, pod: Key, pod_uid: str, container: AgentContainer | None) -> bool:
+        """The pod watch's news of the agent's container. Returns whether a run ended or a new one began
+        that was not known (a restart): the caller probes at once and re-decides the pod's records."""
+        if container is None:
+            return False
+        runs = self.containers.get(pod)
+        if runs is None or runs.pod_uid != pod_uid:
+            runs = self.containers[pod] = ContainerRuns(pod_uid)
+        changed = False
+        for run in (container.last, container.current):
+            if run is not None and run.finished is not None and run.container_id not in runs.ended:
+                runs.ended[run.container_id] = run
+                changed = True
+        while len(runs.ended) > HISTORY:
+            del runs.ended[next(iter(runs.ended))]
+        current = container.current.container_id if container.current else None
+        if current != runs.current or container.restart_count != runs.restart_count:
+            changed = changed or runs.current is not None or container.restart_count > runs.restart_count
+            runs.current, runs.restart_count = current, container.restart_count
+        return changed
+
+    def ended_run(self, pod: Key, pod_uid: str | None, created: dt.datetime | None) -> ContainerRun | None:
+        """The ended run of the pod's agent container that a record made at ``created`` lies well inside
+        (CLOCK_MARGIN from either edge); None when there is none or it cannot be told."""
+        runs = self.containers.get(pod)
+        if created is None or runs is None or (pod_uid and runs.pod_uid != pod_uid):
+            return None
+        margin = dt.timedelta(seconds=self.clock_margin)
+        for run in runs.ended.values():
+            if run.started and run.finished and run.started + margin <= created <= run.finished - margin:
+                return run
+        return None
 
     def _state(self, pod: Key, pod_uid: str) -> AgentState:
         state = self.agents.get(pod)
@@ -91,6 +150,7 @@ class Liveness:
 
     def forget(self, pod: Key) -> None:
         self.agents.pop(pod, None)
+        self.containers.pop(pod, None)
 
     def agent_gone(self, pod: Key, pod_uid: str) -> bool:
         state = self.agents.get(pod)
@@ -130,12 +190,16 @@ class Liveness:
         return None
 
     def probe_delay(self, pod: Key, interval: float, max_backoff: float) -> float:
-        """Seconds until the next probe: quick while confirming a refusal, backing off while failing or gone."""
+        """Seconds until the next probe: quick while confirming a refusal, else the backstop ``interval``,
+        longer (up to ``max_backoff`` when that is longer) while probes fail or nothing listens."""
         state = self.agents.get(pod)
         if state is None:
             return interval
+        if 0 < state.refusals < self.confirm_refusals:
+            return min(interval, CONFIRM_DELAY)
+        slowest = max(interval, max_backoff)
         if state.failures:
-            return min(max_backoff, interval * 2**state.failures)
+            return min(slowest, interval * 2**state.failures)
         if state.gone:
-            return min(max_backoff, interval * 2)
+            return min(slowest, interval * 2)
         return interval

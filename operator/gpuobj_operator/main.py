@@ -27,14 +27,15 @@ from gpuobj_contract import names
 from gpuobj_kube.client import CLAIMS, PODS, KubeClient
 from gpuobj_kube.config import KubeConfig
 from gpuobj_kube.config import load as load_config
+from gpuobj_kube.informer import Informer
 from gpuobj_operator.agent_client import AgentClient
+from gpuobj_operator.claimcheck import Watermark
 from gpuobj_operator.events import EventRecorder
-from gpuobj_operator.informer import Informer
 from gpuobj_operator.leader import Backoff, LeaderElector, LeaseConfig
 from gpuobj_operator.metrics import OperatorMetrics
-from gpuobj_operator.model import ClaimInfo
 from gpuobj_operator.progress_marker import ProgressMarker, marker_writer
 from gpuobj_operator.reconciler import LABEL_AGENT_SELECTOR, Reconciler
+from gpuobj_operator.settings import Settings
 
 log = logging.getLogger("gpuobj.operator")
 
@@ -89,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--liveness-interval",
         type=float,
-        default=1.0,
-        help="seconds between probes of each agent (GET /v1/info; backs off while one fails); 0 disables",
+        default=20.0,
+        help="seconds between backstop probes of each agent (GET /v1/info): container restarts come from the "
+        "pod watch, and a restart or a new share asks for a probe at once (docs/liveness.md); 0 disables",
     )
     p.add_argument(
         "--claims-read-delay",
@@ -149,35 +151,62 @@ class HealthServer:
 def build_registry(reconciler: Reconciler, config: KubeConfig) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
 
+    # Every handler is a coroutine: kopf runs a plain function in its thread pool, and these feed the
+    # ledger and the work queue, which only the event loop may touch (tests/unit/operator/test_handlers.py).
     @kopf.on.login(registry=registry)
-    def login(**_):
+    async def login(**_):
         # The same credentials as our own client (the `kubernetes` package's loaders: kubeconfig with exec
         # plugins or auth-providers, or in-cluster). kopf logs in again after a 401 or at `expiration`, and
-        # each login loads the credentials anew (a new exec run, a re-read token file).
-        config.invalidate()
-        creds = config.credentials()
-        scheme, _, token = (creds.authorization or "").partition(" ")
-        return kopf.ConnectionInfo(
-            server=creds.server,
-            ca_path=creds.ca_path,
-            insecure=creds.insecure or None,
-            certificate_path=creds.cert_path,
-            private_key_path=creds.key_path,
-            scheme=scheme or None,
-            token=token or None,
-            default_namespace=creds.namespace,
-            expiration=creds.expiry,
-        )
+        # each login loads the credentials anew (a new exec run, a re-read token file). The load may run
+        # an exec plugin: a thread does it, and KubeConfig guards its own state with a lock.
+        return await asyncio.to_thread(_connection_info, config)
 
     @kopf.on.event(names.GROUP, names.VERSION, names.PLURAL_OBJECT, registry=registry)
-    def on_object(event, **_):
+    async def on_object(event, **_):
         reconciler.on_object(event["type"], event["object"])
 
     @kopf.on.event(names.GROUP, names.VERSION, names.PLURAL_STREAM, registry=registry)
-    def on_stream(event, **_):
+    async def on_stream(event, **_):
         reconciler.on_stream(event["type"], event["object"])
 
     return registry
+
+
+def _connection_info(config: KubeConfig) -> kopf.ConnectionInfo:
+    config.invalidate()
+    creds = config.credentials()
+    scheme, _, token = (creds.authorization or "").partition(" ")
+    return kopf.ConnectionInfo(
+        server=creds.server,
+        ca_path=creds.ca_path,
+        insecure=creds.insecure or None,
+        certificate_path=creds.cert_path,
+        private_key_path=creds.key_path,
+        scheme=scheme or None,
+        token=token or None,
+        default_namespace=creds.namespace,
+        expiration=creds.expiry,
+    )
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    """The reconciler's settings from the command line."""
+    if args.claims_read_delay is not None:
+        read_delay = args.claims_read_delay
+    else:  # nothing but the claims themselves moves the watch on without the marker: read soon
+        read_delay = 0.05 if args.claims_progress_marker else 0.005
+    return Settings(
+        workers=args.workers,
+        namespace=args.namespace,
+        allow_agent_host_annotation=args.allow_agent_host_annotation,
+        leak_settle_seconds=args.leak_settle,
+        leak_grace_seconds=args.leak_grace,
+        audit_interval=args.audit_interval,
+        resync_interval=args.resync_interval,
+        status_delay=args.status_delay,
+        liveness_interval=args.liveness_interval,
+        claims_read_delay=read_delay,
+    )
 
 
 def kopf_settings() -> kopf.OperatorSettings:
@@ -227,6 +256,7 @@ async def run(args: argparse.Namespace) -> int:
     events = EventRecorder(kube, "gpuobj-operator", args.identity)
     events.start()
     rc = 0
+    stuck = False
     backoff = Backoff(start=0.5, cap=max(1.0, elector.config.retry_seconds * 2))
     try:
         while not stop.is_set():
@@ -241,9 +271,15 @@ async def run(args: argparse.Namespace) -> int:
                 break
             metrics.leader.set(1)
             print(f"gpuobj operator: leading as {args.identity}", flush=True)
-            outcome = await lead(
-                args, config, kube, agents, events, metrics, health, elector, stop, stopping, reconciler_box
-            )
+            try:
+                outcome = await lead(
+                    args, config, kube, agents, events, metrics, health, elector, stop, stopping, reconciler_box
+                )
+            except TermStuck as exc:
+                print(f"gpuobj operator: {exc}; exiting", file=sys.stderr, flush=True)
+                stuck = True
+                rc = 1
+                break
             if outcome == "stopped":
                 break
             if outcome == "failed":
@@ -270,6 +306,11 @@ async def run(args: argparse.Namespace) -> int:
         await kube.close()
         await health.stop()
         print("gpuobj operator: stopped", flush=True)
+    if stuck:
+        # asyncio.run would wait for the tasks that ignored their cancellation, forever: end here.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
     return rc
 
 
@@ -289,36 +330,18 @@ async def lead(
     """One term as leader: a fresh ledger from a fresh LIST, then kopf's watches, until the lease is
     lost ("lease-lost"), the process is asked to stop ("stopped") or kopf fails ("failed"). Everything
     this term started is stopped before it returns, so nothing it knew outlives it."""
-    reconciler = Reconciler(
-        kube,
-        agents,
-        metrics,
-        events,
-        workers=args.workers,
-        leak_settle_seconds=args.leak_settle,
-        leak_grace_seconds=args.leak_grace,
-        audit_interval=args.audit_interval,
-        resync_interval=args.resync_interval,
-        status_delay=args.status_delay,
-        liveness_interval=args.liveness_interval,
-        may_act=elector.holds_lease,
-        namespace=args.namespace,
-        allow_agent_host_annotation=args.allow_agent_host_annotation,
-    )
+    reconciler = Reconciler(kube, agents, metrics, events, settings_from(args), may_act=elector.holds_lease)
     reconciler_box[:] = [reconciler]
     pods = Informer(kube, PODS, reconciler.on_pod, namespace=args.namespace, label_selector=LABEL_AGENT_SELECTOR)
     # Claims through our own in-order informer, not kopf: its watermark lets a free skip the claims
     # read once every claim event up to the object's deletion is in the ledger (claimcheck.py).
-    claims = Informer(kube, CLAIMS, reconciler.on_claim, namespace=args.namespace)
-    reconciler.claims_watermark = claims.watermark
-    if args.claims_read_delay is not None:
-        reconciler.claims_read_delay = args.claims_read_delay
-    elif not args.claims_progress_marker:
-        reconciler.claims_read_delay = 0.005  # nothing else moves the watch on: read soon
+    watermark = Watermark()
+    claims = Informer(kube, CLAIMS, reconciler.on_claim, namespace=args.namespace, on_progress=watermark.observe)
+    reconciler.free_path.claims_watermark = watermark
     if args.claims_progress_marker:
         marker_namespace = args.namespace or args.lease_namespace
-        reconciler.progress_marker = ProgressMarker(
-            claims.watermark,
+        reconciler.free_path.progress_marker = ProgressMarker(
+            watermark,
             marker_writer(kube, marker_namespace),
             on_write=lambda ok: metrics.claims_marker_writes.labels("written" if ok else "failed").inc(),
         )
@@ -334,14 +357,17 @@ async def lead(
             sync.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await sync
-            return "lease-lost" if hold.done() else "stopped"
+            outcome = "lease-lost" if hold.done() else "stopped"
+            return outcome
         if sync.exception() is not None:
             log.warning("initial sync failed: %r", sync.exception())
-            return "sync-failed"
-        pods.start()
-        # The claims the sync listed: the informer's first list reports those deleted since as DELETED.
-        claims.seed(_claim_stub(c) for c in list(reconciler.ledger.claims.values()))
-        claims.start()
+            outcome = "sync-failed"
+            return outcome
+        # Both watches take over from the sync's own lists: a pod or claim deleted since arrives as DELETED.
+        for informer, kind in ((pods, "pods"), (claims, "claims")):
+            version, stubs = reconciler.intake.listed[kind]
+            informer.seed(stubs, version)
+            informer.start()
         reconciler.start()
         health.state = "leading"
         print("gpuobj operator: synced and reconciling", flush=True)
@@ -363,8 +389,13 @@ async def lead(
         # kopf installed its own signal handlers; take them back so that a SIGTERM stops kopf through
         # its stop flag (a clean stop) and lets us release the lease on the way out.
         _install_signal_handlers(stop)
-        done, _ = await asyncio.wait({operator, hold, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if hold in done and not hold.cancelled():
+        watches = {t for t in (pods.task, claims.task) if t is not None}
+        done, _ = await asyncio.wait({operator, hold, stopping, *watches}, return_when=asyncio.FIRST_COMPLETED)
+        if failed := [t for t in done & watches if not t.cancelled() and t.exception()]:
+            # A watch failed for longer than it retries: say why (the real error), and end the process.
+            log.error("%s (caused by %r)", failed[0].exception(), failed[0].exception().__cause__)
+            outcome = "failed"
+        elif hold in done and not hold.cancelled():
             reason = f": {hold.exception()!r}" if hold.exception() else ""
             print(f"gpuobj operator: lost leadership{reason}; stopping acting", file=sys.stderr, flush=True)
             outcome = "lease-lost"
@@ -373,25 +404,52 @@ async def lead(
             outcome = "failed"
         return outcome
     finally:
-        # Stop acting first, then wind down what only reads.
-        health.state = "standby" if outcome != "stopped" else "stopping"
+        # Stop acting first (and say so: the leader gauge drops with it), then wind down what only reads.
+        metrics.leader.set(0)
+        health.state = "standby" if outcome not in ("stopped", "failed") else "stopping"
+        # A SIGTERM during the wind-down must still stop the process: our handlers, whatever kopf left.
+        _install_signal_handlers(stop)
         hold.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await hold
-        await reconciler.stop()
-        await pods.stop()
-        await claims.stop()
+        stuck = [] if await wind_down(hold, WIND_DOWN_SECONDS) else ["lease renewal"]
+        for name, step in (("workers", reconciler.stop), ("pod watch", pods.stop), ("claims watch", claims.stop)):
+            if not await wind_down(asyncio.ensure_future(step()), WIND_DOWN_SECONDS):
+                stuck.append(name)
         kopf_stop.set()
-        if operator is not None:
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(operator, timeout=10)
+        if operator is not None and not await wind_down(operator, KOPF_STOP_SECONDS, cancel_first=False):
+            stuck.append("kopf")
         # kopf removes the signal handlers it installed on its way out: ours again.
         _install_signal_handlers(stop)
+        if stuck:
+            # What did not stop may still act on what this term knew: never lead again in this process.
+            raise TermStuck(stuck)
 
 
-def _claim_stub(c: ClaimInfo) -> dict:
-    meta = {"namespace": c.namespace, "name": c.name, "uid": c.uid}
-    return {"metadata": meta, "spec": {"objectName": c.object_name}}
+WIND_DOWN_SECONDS = 10.0  # each part of a term (workers, watches) must stop within this after its cancel
+KOPF_STOP_SECONDS = 15.0  # kopf's own stop (it drains its per-object workers), then it is cancelled
+
+
+class TermStuck(Exception):
+    """Part of a term as leader did not stop when asked: the process must end (its Deployment restarts it)."""
+
+    def __init__(self, parts: list[str]) -> None:
+        super().__init__(f"did not stop: {', '.join(parts)}")
+        self.parts = parts
+
+
+async def wind_down(task: asyncio.Future, seconds: float, *, cancel_first: bool = True) -> bool:
+    """Stop ``task`` within ``seconds`` (cancelled at once, or after half of them if ``cancel_first`` is
+    False, so it can stop on its own first); False if it is still running then. Never waits longer:
+    a task that ignores its cancellation must not hang the replica (it would stand by, do nothing and
+    ignore SIGTERM)."""
+    if not cancel_first:
+        await asyncio.wait({task}, timeout=seconds / 2)
+    task.cancel()
+    await asyncio.wait({task}, timeout=seconds if cancel_first else seconds / 2)
+    if not task.done():
+        return False
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("stopping: %r", task.exception())
+    return True
 
 
 def _install_signal_handlers(stop: asyncio.Event) -> None:

@@ -15,6 +15,26 @@ from gpuobj_contract.layouts import tensor_bytes
 Key = tuple[str, str]  # (namespace, name)
 
 
+@dataclass(frozen=True)
+class ContainerRun:
+    """One run of a container as the kubelet reports it (times on the node's clock, whole seconds)."""
+
+    container_id: str
+    started: dt.datetime | None = None
+    finished: dt.datetime | None = None  # None while it runs
+
+
+@dataclass(frozen=True)
+class AgentContainer:
+    """What the kubelet says of the container the pod's agent runs in (status.containerStatuses[]):
+    its restart count, its current run and the run before (docs/liveness.md)."""
+
+    name: str
+    restart_count: int = 0
+    current: ContainerRun | None = None  # containerID + state.running / state.terminated
+    last: ContainerRun | None = None  # lastState.terminated
+
+
 @dataclass
 class PodInfo:
     namespace: str
@@ -23,6 +43,7 @@ class PodInfo:
     phase: str = "Pending"
     endpoint: str | None = None  # host:port of the pod's agent
     deleted: bool = False  # a tombstone: the pod is confirmed gone (watch DELETED or 404)
+    agent_container: AgentContainer | None = None
 
     @property
     def key(self) -> Key:
@@ -52,6 +73,7 @@ class ObjectInfo:
     generation: int = 1
     resource_version: str = ""
     status: dict = field(default_factory=dict)
+    created: dt.datetime | None = None  # metadata.creationTimestamp (the API server's clock)
 
     @property
     def key(self) -> Key:
@@ -176,6 +198,50 @@ def parse_pod(obj: dict, *, allow_host_annotation: bool = False) -> PodInfo:
         uid=meta["uid"],
         phase=status.get("phase", "Pending"),
         endpoint=endpoint,
+        agent_container=parse_agent_container(obj),
+    )
+
+
+def _agent_container_name(spec: dict) -> str | None:
+    """The container that serves the agent port (the workload embeds the agent), else the first one."""
+    containers = spec.get("containers") or []
+    for container in containers:
+        if any(p.get("name") == names.AGENT_PORT_NAME for p in container.get("ports") or []):
+            return container.get("name")
+    return containers[0].get("name") if containers else None
+
+
+def _run(container_id: str | None, state: dict | None) -> ContainerRun | None:
+    if not container_id:
+        return None
+    state = state or {}
+    running, terminated = state.get("running"), state.get("terminated")
+    if running is not None:
+        return ContainerRun(container_id, _timestamp(running.get("startedAt")))
+    if terminated is not None:
+        return ContainerRun(
+            container_id, _timestamp(terminated.get("startedAt")), _timestamp(terminated.get("finishedAt"))
+        )
+    return ContainerRun(container_id)
+
+
+def parse_agent_container(obj: dict) -> AgentContainer | None:
+    """Reads status.containerStatuses[name] of the agent's container: restartCount, containerID,
+    state.running.startedAt, state.terminated.{containerID,startedAt,finishedAt} and
+    lastState.terminated.{containerID,startedAt,finishedAt}. Nothing else."""
+    name = _agent_container_name(obj.get("spec") or {})
+    statuses = (obj.get("status") or {}).get("containerStatuses") or []
+    found = next((c for c in statuses if c.get("name") == name), None)
+    if name is None or found is None:
+        return None
+    state = found.get("state") or {}
+    terminated = state.get("terminated") or {}
+    last = (found.get("lastState") or {}).get("terminated") or {}
+    return AgentContainer(
+        name=name,
+        restart_count=int(found.get("restartCount") or 0),
+        current=_run(found.get("containerID") or terminated.get("containerID"), state),
+        last=_run(last.get("containerID"), {"terminated": last}) if last else None,
     )
 
 
@@ -201,6 +267,7 @@ def parse_object(obj: dict) -> ObjectInfo:
         generation=int(meta.get("generation", 1)),
         resource_version=meta.get("resourceVersion", ""),
         status=dict(obj.get("status") or {}),
+        created=_timestamp(meta.get("creationTimestamp")),
     )
 
 

@@ -7,10 +7,12 @@ without a server (KubeRay's habit: builders separate from the reconcilers that d
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+from dataclasses import dataclass
 
 from gpuobj_contract import names
-from gpuobj_operator.ledger import SourceVerdict, is_lost
+from gpuobj_operator.ledger import SourceVerdict, StreamTally, is_lost
 from gpuobj_operator.model import ClaimInfo, ObjectInfo, StreamInfo
 
 
@@ -42,6 +44,24 @@ def materialized_status(*, object_id: str, pod_uid: str, endpoint: str, incarnat
         "sourcePodUID": pod_uid,
         "transport": {"backend": "nixl", "agentEndpoint": endpoint, "agentIncarnation": incarnation},
     }
+
+
+def materialized_object_status(
+    obj: ObjectInfo,
+    verdict: SourceVerdict,
+    claims: list[ClaimInfo],
+    *,
+    object_id: str,
+    pod_uid: str,
+    endpoint: str,
+    incarnation: str,
+    now: dt.datetime,
+) -> dict:
+    """The one status write that makes a declared object Ready: the agent's answer together with the
+    counts and conditions the ledger derives (else BYTES and REFS show blank until a second write)."""
+    answer = materialized_status(object_id=object_id, pod_uid=pod_uid, endpoint=endpoint, incarnation=incarnation)
+    held = dataclasses.replace(obj, status={**obj.status, **answer})
+    return {**desired_object_status(held, verdict, claims, now), **answer}
 
 
 def pending_status(*, generation: int, reason: str, message: str, now: str) -> dict:
@@ -186,12 +206,29 @@ def desired_claim_status(
     return desired
 
 
-def desired_stream_status(stream: StreamInfo, items: list[ObjectInfo]) -> dict:
-    """A stream's counters: items emitted (never decreasing), live items and their bytes."""
-    emitted = max((i.stream[1] + 1 for i in items if i.stream), default=0)
+def desired_stream_status(stream: StreamInfo, tally: StreamTally) -> dict:
+    """A stream's counters: items emitted (never decreasing), live items and their bytes (ledger.StreamTally)."""
     return {
         "observedGeneration": 1,
-        "emitted": max(emitted, int(stream.status.get("emitted", 0))),
-        "liveItems": len([i for i in items if not i.deleting]),
-        "bytes": sum(i.bytes for i in items if not i.deleting),
+        "emitted": max(tally.emitted, int(stream.status.get("emitted", 0))),
+        "liveItems": tally.live_items,
+        "bytes": tally.live_bytes,
     }
+
+
+@dataclass(frozen=True)
+class AfterMaterializeError:
+    """What follows an agent's refusal to materialize: the status to write; ``retry`` (why) when the
+    object waits for its key to be published, else the Warning's ``reason`` (it failed for good)."""
+
+    status: dict
+    retry: str = ""
+    reason: str = ""
+
+
+def after_materialize_error(obj: ObjectInfo, http_status: int, message: str, now: str) -> AfterMaterializeError:
+    if http_status == 404:  # the key the object names is not published (yet): Pending, and ask again
+        pending = pending_status(generation=obj.generation, reason="KeyNotPublished", message=message, now=now)
+        return AfterMaterializeError(pending, retry=f"key {obj.key_name!r} not published yet")
+    failed = failed_status(generation=obj.generation, reason="MaterializeFailed", message=message, now=now)
+    return AfterMaterializeError(failed, reason="MaterializeFailed")

@@ -32,6 +32,7 @@ from gpuobj_operator.decisions import decide
 from gpuobj_operator.events import EventRecorder
 from gpuobj_operator.metrics import OperatorMetrics
 from gpuobj_operator.reconciler import Reconciler
+from gpuobj_operator.settings import Settings
 from tests.e2e.operator.conftest import Pods, kube, start_operator
 
 pytestmark = pytest.mark.nixl
@@ -47,8 +48,7 @@ def operators_free_path(api: KubeClient, agents: AgentClient, namespace: str) ->
         agents,
         OperatorMetrics(lambda: box[0].ledger),
         EventRecorder(api, "gpuobj-operator", "test"),
-        namespace=namespace,
-        allow_agent_host_annotation=True,
+        Settings(namespace=namespace, allow_agent_host_annotation=True),
     )
     box.append(r)
     return r
@@ -65,7 +65,7 @@ def test_the_free_path_sees_a_claim_made_before_the_deletion_that_its_watch_has_
         async with KubeClient(from_kubeconfig(token_file.with_name("kubeconfig"))) as api:
             agents = AgentClient(token_file)
             r = operators_free_path(api, agents, namespace)
-            mark = r.claims_watermark = Watermark()
+            mark = r.free_path.claims_watermark = Watermark()
             try:
                 await r.sync()
                 mark.observe((await api.list(CLAIMS, namespace))["metadata"]["resourceVersion"])  # no claim yet

@@ -43,6 +43,7 @@ def test_an_object_whose_record_is_still_queued_is_never_reclaimed_and_counts_on
     ledger = synced_ledger(p)
     answer = {
         "podUID": p.uid,
+        "incarnation": "i-1",
         "objects": [
             {"id": "queued-young", "bytes": 10, "ageSeconds": 3.0, "recordPending": True},
             {"id": "queued-old", "bytes": 20, "ageSeconds": 40.0, "recordPending": True},
@@ -74,7 +75,11 @@ def test_objects_of_a_replaced_pod_are_not_expected_from_the_new_agent() -> None
 def test_the_audit_reads_the_agent_contracts_inventory() -> None:
     p = pod()
     ledger = synced_ledger(p)
-    answer = {"podUID": p.uid, "objects": [{"id": "orphan", "bytes": 4096, "ageSeconds": 40.0, "stream": "s"}]}
+    answer = {
+        "podUID": p.uid,
+        "incarnation": "i-1",
+        "objects": [{"id": "orphan", "bytes": 4096, "ageSeconds": 40.0, "stream": "s"}],
+    }
     inventory = Inventory.from_json(answer)
     findings = evaluate(ledger, p, inventory.objects, {}, settle_seconds=1, grace_seconds=30, pending_free_age={})
     assert findings.leaked_bytes == 4096
@@ -92,3 +97,14 @@ def test_missing_objects_become_lost_with_a_warning_once() -> None:
     assert patch.status["sourcePodUID"] == p.uid
     assert (emit.type, emit.reason, emit.uid) == ("Warning", "Lost", "ua")
     assert "no longer holds object o-a" in emit.message
+
+
+def test_an_object_freed_while_the_inventory_was_read_is_not_missing() -> None:
+    """A paged inventory of a large store takes a while: a release and its free may land meanwhile."""
+    p = pod()
+    ledger = synced_ledger(p, obj("a", uid="ua"), obj("b", uid="ub"), obj("c", uid="uc"))
+    expected = expected_objects(ledger, p)
+    ledger.upsert_object(obj("a", uid="ua", deleting=True), now=1.0)  # released, then freed on the agent
+    ledger.remove_object(obj("c", uid="uc"))  # freed and its GPUObject gone
+    findings = evaluate(ledger, p, [], expected, settle_seconds=1, grace_seconds=30, pending_free_age={})
+    assert [o.name for o in findings.missing] == ["b"]

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 
 from gpuobj_kube.client import CLAIMS, Gone
+from gpuobj_kube.informer import Informer
 from gpuobj_operator import claimcheck
 from gpuobj_operator.claimcheck import Plan, Watermark
-from gpuobj_operator.informer import Informer
 from gpuobj_operator.model import ClaimInfo
 
 
@@ -102,9 +102,17 @@ class ScriptedKube:
             yield event
 
 
+def _informer(kube: ScriptedKube, handler) -> Informer:
+    """The claims informer as the operator wires it: its progress moves a Watermark (kept on it here)."""
+    mark = Watermark()
+    informer = Informer(kube, CLAIMS, handler, on_progress=mark.observe, backoff=(0.0, 0.0))  # type: ignore[arg-type]
+    informer.watermark = mark  # type: ignore[attr-defined]
+    return informer
+
+
 def _run(kube: ScriptedKube, handler) -> Informer:
     async def go() -> Informer:
-        informer = Informer(kube, CLAIMS, handler, retry_delay=0)  # type: ignore[arg-type]
+        informer = _informer(kube, handler)
         informer.start()
         await asyncio.wait_for(kube.done.wait(), timeout=5)
         await informer.stop()
@@ -118,7 +126,7 @@ def test_the_watermark_moves_only_once_each_event_was_handled_in_order() -> None
     informer_box: list[Informer] = []
 
     def handler(kind: str | None, obj: dict) -> None:
-        mark = informer_box[0].watermark.revision if informer_box else None
+        mark = informer_box[0].watermark.revision  # type: ignore[attr-defined] if informer_box else None
         marks_at_handling.append((kind, obj["metadata"]["resourceVersion"], mark))
 
     kube = ScriptedKube(
@@ -134,7 +142,7 @@ def test_the_watermark_moves_only_once_each_event_was_handled_in_order() -> None
     )
 
     async def go() -> Informer:
-        informer = Informer(kube, CLAIMS, handler, retry_delay=0)  # type: ignore[arg-type]
+        informer = _informer(kube, handler)
         informer_box.append(informer)
         informer.start()
         await asyncio.wait_for(kube.done.wait(), timeout=5)
@@ -171,7 +179,7 @@ def test_a_handler_that_fails_makes_the_informer_list_again_and_never_skip_the_e
 def test_seeded_claims_missing_from_the_first_list_are_reported_deleted() -> None:
     seen: list[tuple[str | None, str]] = []
     kube = ScriptedKube([_claim("kept", "7")], "10", [])
-    informer = Informer(kube, CLAIMS, lambda kind, obj: seen.append((kind, obj["metadata"]["name"])), retry_delay=0)  # type: ignore[arg-type]
+    informer = _informer(kube, lambda kind, obj: seen.append((kind, obj["metadata"]["name"])))
     informer.seed([_claim("kept", "7"), _claim("gone-meanwhile", "8")])
 
     async def go() -> None:

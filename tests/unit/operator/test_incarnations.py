@@ -77,7 +77,8 @@ def test_probes_back_off_while_failing_or_gone_and_confirm_refusals_quickly() ->
     live = Liveness()
     assert live.probe_delay(SRC, 1.0, 8.0) == 1.0
     live.observe_refused(SRC, "u1", 1.0)
-    assert live.probe_delay(SRC, 1.0, 8.0) == 1.0
+    assert live.probe_delay(SRC, 1.0, 8.0) == 0.1  # confirmed within a tenth of a second, not an interval
+    assert live.probe_delay(SRC, 20.0, 60.0) == 0.1
     live.observe_refused(SRC, "u1", 2.0)
     assert live.probe_delay(SRC, 1.0, 8.0) == 2.0
     for _ in range(6):

@@ -6,7 +6,7 @@ import datetime as dt
 
 from gpuobj_contract import names
 from gpuobj_operator import actions
-from gpuobj_operator.ledger import SourceVerdict
+from gpuobj_operator.ledger import SourceVerdict, StreamTally
 from gpuobj_operator.model import ClaimInfo, ObjectInfo, PodInfo, StreamInfo
 from gpuobj_operator.reconciler import Reconciler
 from gpuobj_operator.statuses import (
@@ -151,8 +151,10 @@ def test_claim_is_bound_to_a_live_object_and_lost_with_its_source() -> None:
 
 def test_stream_counts_live_items_and_never_lowers_emitted() -> None:
     stream = StreamInfo("ml", "tokens", "s-uid", producer_pod="src", status={"emitted": 9})
-    items = [put_object(stream=("tokens", 2)), put_object(stream=("tokens", 3), deleting=True)]
-    status = desired_stream_status(stream, items)
+    tally = StreamTally()
+    for item in (put_object(stream=("tokens", 2)), put_object(stream=("tokens", 3), deleting=True)):
+        tally.add(item, +1)
+    status = desired_stream_status(stream, tally)
     assert status == {"observedGeneration": 1, "emitted": 9, "liveItems": 1, "bytes": 64}
     fresh = StreamInfo("ml", "tokens", "s-uid", producer_pod="src")
-    assert desired_stream_status(fresh, items)["emitted"] == 4
+    assert desired_stream_status(fresh, tally)["emitted"] == 4

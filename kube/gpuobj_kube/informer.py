@@ -1,0 +1,168 @@
+"""List-then-watch of one resource, handled strictly in order: the one informer of the project.
+
+Why its own and not kopf's for pods and claims: kopf filters labels on the client, so it would stream
+every pod of the cluster (agent pods carry `gpuobj.io/agent=true`, and the API server filters on that);
+and kopf hands each event to a per-object worker, so having seen version N says nothing about the
+events before N. Here the handler runs for each event in the order the watch delivers them
+(resourceVersion order), and only then is ``on_progress`` told: everything up to it was applied (the
+operator's claims watermark, claimcheck.py).
+
+Seeded from an earlier list (``seed``: what the caller listed and at which version), it watches from
+that version, so nothing that happened after that list is missed (client-go's list-then-watch: a pod
+deleted between the caller's list and this informer's start arrives as DELETED). A 410 lists again and
+reports what went meanwhile as DELETED. Any other error is retried with backoff; one that persists for
+``give_up_after`` seconds ends the informer with that error (InformerFailed), so the caller sees the
+real cause (a 403 from missing RBAC, say), never a silent stall.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+import aiohttp
+
+from gpuobj_kube.client import ApiError, Gone, KubeClient, Resource
+
+log = logging.getLogger("gpuobj.informer")
+
+Handler = Callable[[str | None, dict], None]
+ObjectKey = tuple[str, str]
+
+
+class InformerFailed(Exception):
+    """A watch failed for longer than the informer retries; ``__cause__`` is the last real error."""
+
+
+def _key(obj: dict) -> ObjectKey:
+    return (obj["metadata"].get("namespace", ""), obj["metadata"]["name"])
+
+
+class Informer:
+    def __init__(
+        self,
+        kube: KubeClient,
+        resource: Resource,
+        handler: Handler,
+        *,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        on_progress: Callable[[str], None] | None = None,
+        watch_timeout: int = 240,
+        backoff: tuple[float, float] = (0.25, 5.0),
+        give_up_after: float = 60.0,
+    ) -> None:
+        self.kube = kube
+        self.resource = resource
+        self.handler = handler
+        self.namespace = namespace
+        self.label_selector = label_selector
+        self.on_progress = on_progress or (lambda rv: None)
+        self.watch_timeout = watch_timeout
+        self.backoff = backoff
+        self.give_up_after = give_up_after
+        self._known: dict[ObjectKey, dict] = {}
+        self._resume_at: str | None = None
+        self._task: asyncio.Task | None = None
+        self.failing_since: float | None = None  # monotonic start of the current run of errors
+        self.last_error: BaseException | None = None
+
+    def seed(self, objs: Iterable[dict], resource_version: str | None = None) -> None:
+        """What the handler already knows from an earlier list (the caller's sync), listed at
+        ``resource_version``: the informer watches from there (no list of its own), or, without a
+        version, lists first and reports whichever of them went meanwhile as DELETED."""
+        for obj in objs:
+            self._known[_key(obj)] = obj
+        self._resume_at = resource_version
+
+    @property
+    def task(self) -> asyncio.Task | None:
+        """Done only when the informer failed (InformerFailed) or was stopped."""
+        return self._task
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"informer-{self.resource.plural}")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, InformerFailed):
+                pass
+            self._task = None
+
+    async def _relist(self) -> str:
+        listed = await self.kube.list(self.resource, self.namespace, label_selector=self.label_selector)
+        seen = {}
+        for obj in listed["items"]:
+            seen[_key(obj)] = obj
+            self.handler(None, obj)
+        for key, obj in self._known.items():
+            if key not in seen:  # deleted while we were not watching
+                self.handler("DELETED", obj)
+        self._known = seen
+        rv = listed["metadata"]["resourceVersion"]
+        self.on_progress(rv)
+        return rv
+
+    def _failed(self, exc: BaseException) -> float:
+        """Note one more error in a row; the delay before the next try (InformerFailed once it persists)."""
+        now = time.monotonic()
+        if self.failing_since is None:
+            self.failing_since, self._failures = now, 0
+        self._failures += 1
+        self.last_error = exc
+        if now - self.failing_since >= self.give_up_after:
+            raise InformerFailed(
+                f"watch of {self.resource.plural} failing for {now - self.failing_since:.0f}s: {exc}"
+            ) from exc
+        first, cap = self.backoff
+        return min(cap, first * 2 ** (self._failures - 1))
+
+    def _recovered(self) -> None:
+        if self.failing_since is not None:
+            log.info("watch of %s works again", self.resource.plural)
+        self.failing_since, self.last_error = None, None
+
+    async def _run(self) -> None:
+        rv = self._resume_at
+        if rv is not None:
+            self.on_progress(rv)
+        while True:
+            try:
+                if rv is None:
+                    rv = await self._relist()
+                    self._recovered()
+                async for kind, obj in self.kube.watch(
+                    self.resource,
+                    self.namespace,
+                    resource_version=rv,
+                    label_selector=self.label_selector,
+                    timeout_seconds=self.watch_timeout,
+                ):
+                    self._recovered()
+                    if kind != "BOOKMARK":
+                        self.handler(kind, obj)
+                        if kind == "DELETED":
+                            self._known.pop(_key(obj), None)
+                        else:
+                            self._known[_key(obj)] = obj
+                    # Only once handled: a handler that fails makes us list again (below), never skip.
+                    rv = obj["metadata"].get("resourceVersion", rv)
+                    self.on_progress(rv)
+            except Gone:
+                rv = None  # too old: list again (what went meanwhile is reported DELETED)
+            except asyncio.CancelledError:
+                raise
+            except (ApiError, OSError, TimeoutError, aiohttp.ClientError) as exc:
+                delay = self._failed(exc)
+                log.info("watch of %s interrupted: %s; again in %.2fs", self.resource.plural, exc, delay)
+                await asyncio.sleep(delay)
+            except Exception as exc:
+                delay = self._failed(exc)
+                log.exception("watch of %s failed", self.resource.plural)
+                rv = None  # an event may not have been applied: list again rather than skip it
+                await asyncio.sleep(delay)

@@ -1,0 +1,136 @@
+"""Event intake: the initial sync and every watch event, parsed and applied to the ledger; the keys whose
+decision may have changed go to the work queue. Nothing here decides or writes.
+
+Why apart from the executors: this runs on the event loop for every event of four watches (kopf's
+objects and streams, the pod and claims informers), so it must stay cheap (the ledger's indexes) and
+never wait; the workers (reconciler.py) take it from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from gpuobj_contract import names
+from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, KubeClient
+from gpuobj_operator.expectations import Expectations
+from gpuobj_operator.free_path import is_marker
+from gpuobj_operator.ledger import Ledger
+from gpuobj_operator.model import Key, PodInfo, parse_claim, parse_object, parse_pod, parse_stream
+from gpuobj_operator.prober import Prober
+from gpuobj_operator.settings import Settings
+
+log = logging.getLogger("gpuobj.operator")
+
+WorkItem = tuple[str, Key]
+LABEL_AGENT_SELECTOR = f"{names.LABEL_AGENT}=true"
+
+
+class Intake:
+    def __init__(
+        self,
+        ledger: Ledger,
+        kube: KubeClient,
+        expected: Expectations,
+        prober: Prober,
+        settings: Settings,
+        enqueue: Callable[..., None],
+        enqueue_all: Callable[[], None],
+    ) -> None:
+        self.ledger = ledger
+        self.kube = kube
+        self.expected = expected
+        self.prober = prober
+        self.settings = settings
+        self.enqueue = enqueue
+        self.enqueue_all = enqueue_all
+        self.listed: dict[str, tuple[str, list[dict]]] = {}  # kind -> (resourceVersion, stubs) of the sync
+
+    async def sync(self) -> None:
+        """List every kind once before any decision: a free decided on a partial view could be wrong."""
+        now = time.monotonic()
+        ns = self.settings.namespace
+        streams = await self.kube.list(STREAMS, ns)
+        claims = await self.kube.list(CLAIMS, ns)
+        pods = await self.kube.list(PODS, ns, label_selector=LABEL_AGENT_SELECTOR)
+        objects = await self.kube.list(GPUOBJECTS, ns)
+        for s in streams["items"]:
+            self.ledger.upsert_stream(parse_stream(s))
+        for c in claims["items"]:
+            if not is_marker(c):
+                self.ledger.upsert_claim(parse_claim(c), now)
+        for p in pods["items"]:
+            pod = self.parse_pod(p)
+            self.ledger.liveness.observe_container(pod.key, pod.uid, pod.agent_container)
+            self.ledger.upsert_pod(pod)
+        for o in objects["items"]:
+            self.ledger.upsert_object(parse_object(o), now)
+        self.ledger.synced = True
+        # Where the pod and claims watches take over: from these lists, so nothing after them is missed.
+        self.listed = {
+            "pods": (pods["metadata"]["resourceVersion"], [_stub(p) for p in pods["items"]]),
+            "claims": (claims["metadata"]["resourceVersion"], [_stub(c) for c in claims["items"]]),
+        }
+        self.enqueue_all()
+        log.info(
+            "synced: %d objects, %d claims, %d streams, %d agent pods",
+            len(self.ledger.objects),
+            len(self.ledger.claims),
+            len(self.ledger.streams),
+            len(self.ledger.pods),
+        )
+
+    # ------------------------------------------------------------ event intake (from kopf handlers)
+
+    def on_object(self, event_type: str | None, raw: dict) -> None:
+        info = parse_object(raw)
+        now = time.monotonic()
+        if event_type == "DELETED":
+            self.expected.object_gone(info.uid, info.key)
+            self.enqueue(self.ledger.remove_object(info))
+        else:
+            # A deletion (the owner's reference went) is the free lane: ahead of status work.
+            self.enqueue(self.ledger.upsert_object(info, now), urgent=info.deleting)
+
+    def on_claim(self, event_type: str | None, raw: dict) -> None:
+        if is_marker(raw):
+            return  # its event moves the claims watermark (the informer does that); nothing to decide
+        info = parse_claim(raw)
+        now = time.monotonic()
+        if event_type == "DELETED":
+            self.expected.claim_gone(info.key)
+        gone = event_type == "DELETED" or info.deleting
+        self.enqueue(
+            self.ledger.remove_claim(info, now) if event_type == "DELETED" else self.ledger.upsert_claim(info, now),
+            urgent=gone,  # a reference went: most likely a free, ahead of status work
+        )
+        if not gone and self.ledger.needs_scope(info) and self.ledger.holder_incarnation(info) is None:
+            self.prober.probe_soon((info.namespace, info.holder_pod))  # type: ignore[arg-type]
+
+    def on_stream(self, event_type: str | None, raw: dict) -> None:
+        info = parse_stream(raw)
+        self.enqueue(self.ledger.remove_stream(info) if event_type == "DELETED" else self.ledger.upsert_stream(info))
+
+    def parse_pod(self, raw: dict) -> PodInfo:
+        return parse_pod(raw, allow_host_annotation=self.settings.allow_agent_host_annotation)
+
+    def on_pod(self, event_type: str | None, raw: dict) -> None:
+        info = self.parse_pod(raw)
+        if event_type == "DELETED":
+            self.ledger.liveness.forget(info.key)
+            self.prober.forget(info.key)
+        elif self.ledger.liveness.observe_container(info.key, info.uid, info.agent_container):
+            # The kubelet reports a restart: the ended run's records go by its times (liveness.py); for
+            # the rest, ask the agent now which process lives instead of at the next backstop probe.
+            self.prober.probe_soon(info.key)
+        self.enqueue(self.ledger.remove_pod(info) if event_type == "DELETED" else self.ledger.upsert_pod(info))
+
+
+def _stub(raw: dict) -> dict:
+    """What an informer must remember of a listed object to report its deletion: its identity."""
+    meta = raw["metadata"]
+    stub = {"metadata": {k: meta[k] for k in ("namespace", "name", "uid") if k in meta}}
+    if "spec" in raw and "objectName" in (raw["spec"] or {}):
+        stub["spec"] = {"objectName": raw["spec"]["objectName"]}
+    return stub

@@ -1,0 +1,136 @@
+"""The liveness prober: asks agents which process (incarnation) lives, as a slow backstop.
+
+Why apart: the kubelet's container statuses report most deaths (liveness.py reads them from the pod
+watch); probes catch the rest, every ``liveness_interval`` per agent, and at once when a share or a
+restart asks for one (docs/liveness.md). What a probe proves is decided by the pure liveness.py; this
+is the I/O and the schedule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from gpuobj_operator.agent_client import AgentClient, AgentError, AgentGone, AgentUnreachable
+from gpuobj_operator.ledger import Ledger
+from gpuobj_operator.model import Key, PodInfo
+from gpuobj_operator.settings import Settings
+
+log = logging.getLogger("gpuobj.operator")
+
+PROBE_GAP = 0.05  # seconds: the least time between two probes of one agent asked for by new shares
+ASKED_PROBE_GAP = 0.25  # seconds between probes of an agent asked for that does not answer yet
+ASKED_PROBING_SECONDS = 30.0  # how long such an agent is probed that often (then the backstop interval)
+
+
+class Prober:
+    def __init__(
+        self,
+        ledger: Ledger,
+        agents: AgentClient,
+        enqueue: Callable[[Iterable[tuple[str, Key]]], None],
+        settings: Settings,
+    ) -> None:
+        self.ledger = ledger
+        self.agents = agents
+        self.enqueue = enqueue
+        self.settings = settings
+        self._probe_due: dict[Key, float] = {}
+        self._probe_asked: dict[Key, float] = {}  # pod -> when a probe was asked for at once (a share, a restart)
+        self._probe_started: dict[Key, float] = {}  # pod -> start of its last probe
+        self._probe_wake: asyncio.Event | None = None
+
+    def forget(self, pod: Key) -> None:
+        """The pod is gone: nothing to probe."""
+        self._probe_due.pop(pod, None)
+        self._probe_asked.pop(pod, None)
+        self._probe_started.pop(pod, None)
+
+    async def run(self) -> None:
+        """Probe every agent pod's /v1/info: which process (incarnation) lives, or none (see liveness.py)."""
+        limit = asyncio.Semaphore(32)
+        self._probe_wake = wake = asyncio.Event()
+
+        async def one(pod: PodInfo) -> None:
+            async with limit:
+                try:
+                    await self.probe(pod)
+                except Exception:  # a bug must show, and must not stop the other probes
+                    log.exception("probe of the agent of %s/%s failed", *pod.key)
+                    self._probe_asked.pop(pod.key, None)
+                    self._probe_due[pod.key] = time.monotonic() + self.settings.liveness_interval
+
+        while True:
+            wake.clear()
+            now = time.monotonic()
+            pods = self.ledger.agent_pods() if self.ledger.synced else []
+            due = [p for p in pods if self._probe_due.get(p.key, 0.0) <= now]
+            if due:
+                await asyncio.gather(*(one(p) for p in due), return_exceptions=True)
+            # Wake for the next round, or sooner for a probe a new share asked for (PROBE_GAP after the last).
+            timeout = self.settings.liveness_interval / 2
+            asked = [self._probe_due[p.key] for p in pods if p.key in self._probe_asked and p.key in self._probe_due]
+            if asked:
+                timeout = max(0.005, min(timeout, min(asked) - time.monotonic()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), timeout=timeout)
+
+    def probe_soon(self, pod: Key) -> None:
+        """Probe this pod's agent now: a share just named it, and the process alive now is the one the
+        share is scoped to (liveness.scoped_incarnation); the sooner it is asked, the narrower the gap in
+        which that process could die unseen (then the share is scoped to its successor: kept longer)."""
+        now = time.monotonic()
+        self._probe_asked[pod] = now
+        # At most one probe per pod per PROBE_GAP however many shares arrive: the first after the ask counts.
+        soon = max(now, self._probe_started.get(pod, float("-inf")) + PROBE_GAP)
+        self._probe_due[pod] = min(self._probe_due.get(pod, soon), soon)
+        if self._probe_wake is not None:
+            self._probe_wake.set()
+
+    async def probe(self, pod: PodInfo) -> None:
+        started = self._probe_started[pod.key] = time.monotonic()
+        liveness = self.ledger.liveness
+        try:
+            info = await self.agents.info(pod.endpoint, pod_uid=pod.uid, timeout=self.settings.probe_timeout)  # type: ignore[arg-type]
+        except AgentGone:
+            changed = liveness.observe_refused(pod.key, pod.uid, started)
+        except AgentError as exc:
+            if exc.status == 409:  # the agent there serves another pod: ours is not listening
+                changed = liveness.observe_refused(pod.key, pod.uid, started)
+            else:  # refused our token, or failed: proves nothing about the process
+                liveness.observe_unreachable(pod.key, pod.uid)
+                log.debug("probe of %s/%s proved nothing: %s", *pod.key, exc)
+                changed = False
+        except AgentUnreachable as exc:
+            liveness.observe_unreachable(pod.key, pod.uid)
+            log.debug("probe of %s/%s proved nothing: %s", *pod.key, exc)
+            changed = False
+        else:
+            if info.get("podUID") and info["podUID"] != pod.uid:
+                # Another pod's agent answers at this address: ours is not there.
+                changed = liveness.observe_refused(pod.key, pod.uid, started)
+            else:
+                changed = liveness.observe_alive(pod.key, pod.uid, str(info.get("incarnation", "")), started)
+        if changed:
+            state = liveness.agents.get(pod.key)
+            log.info(
+                "agent of pod %s/%s: %s",
+                *pod.key,
+                "gone" if state and state.gone else f"process {state.incarnation if state else '?'}",
+            )
+        self._probe_due[pod.key] = started + liveness.probe_delay(
+            pod.key, self.settings.liveness_interval, self.settings.liveness_max_backoff
+        )
+        asked = self._probe_asked.get(pod.key, float("-inf"))
+        if asked >= started:
+            self._probe_due[pod.key] = started  # asked for while this probe ran: it may predate the share
+        elif liveness.agents[pod.key].incarnation is None and started - asked < ASKED_PROBING_SECONDS:
+            # Asked for (a share to scope, a restart) and nothing answers yet: a process that is still
+            # starting must be reached as soon as it listens, not at the next backstop probe.
+            self._probe_due[pod.key] = min(self._probe_due[pod.key], started + ASKED_PROBE_GAP)
+        else:
+            self._probe_asked.pop(pod.key, None)
+        self.enqueue(self.ledger.suspect_records(pod.key))

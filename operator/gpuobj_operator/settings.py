@@ -1,0 +1,24 @@
+"""The operator's tunables in one place: what main.py reads from its flags, and what the reconciler,
+its free path, its prober and the auditor run with. Defaults are the production ones."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Settings:
+    workers: int = 8
+    namespace: str | None = None  # watch one namespace; None: all
+    allow_agent_host_annotation: bool = False  # dev clusters without a pod network only
+    leak_settle_seconds: float = 5.0  # before an unreferenced object counts as leaked
+    leak_grace_seconds: float = 30.0  # before leaked bytes are reclaimed
+    audit_interval: float = 10.0  # seconds between agent inventory audits
+    resync_interval: float = 60.0  # seconds between re-decisions of everything
+    status_delay: float = 0.25  # a routine status write waits this long (short-lived objects need none)
+    stream_status_interval: float = 1.0  # a busy stream's counters are written at most this often
+    liveness_interval: float = 20.0  # seconds between backstop probes of each agent (docs/liveness.md)
+    liveness_max_backoff: float = 60.0  # the longest gap between probes while they fail
+    probe_timeout: float = 2.0
+    # Seconds a free waits for the claims watch before it also reads the claims (docs/operator-free-path.md).
+    claims_read_delay: float = 0.05

@@ -1,0 +1,98 @@
+"""The informer's rules without a server: watch from the seed's version, relist on 410 and report what
+went as DELETED, retry other errors with backoff and fail with the real error once they persist.
+(tests/e2e/operator/test_informer.py drives the same against a real API server.)"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gpuobj_kube.client import PODS, ApiError, Gone
+from gpuobj_kube.informer import Informer, InformerFailed
+
+
+def pod(name: str, rv: str) -> dict:
+    return {"metadata": {"namespace": "ml", "name": name, "uid": f"u-{name}", "resourceVersion": rv}}
+
+
+class FakeKube:
+    """Answers each list and watch from a script; records what was asked."""
+
+    def __init__(self, lists: list, watches: list) -> None:
+        self.lists, self.watches = lists, watches
+        self.asked: list[tuple[str, str | None]] = []
+        self.idle = asyncio.Event()
+
+    async def list(self, res, namespace=None, **_):
+        self.asked.append(("list", None))
+        return self.lists.pop(0)
+
+    async def watch(self, res, namespace=None, *, resource_version=None, **_):
+        self.asked.append(("watch", resource_version))
+        if not self.watches:
+            self.idle.set()
+            await asyncio.Event().wait()  # a quiet watch, until the test stops the informer
+        step = self.watches.pop(0)
+        if isinstance(step, BaseException):
+            raise step
+        for event in step:
+            yield event
+
+
+def run(kube: FakeKube, seed: tuple | None = None, **kw) -> tuple[list, list]:
+    events: list = []
+    progress: list = []
+
+    async def go() -> None:
+        informer = Informer(
+            kube, PODS, lambda t, o: events.append((t, o["metadata"]["name"])), on_progress=progress.append, **kw
+        )  # type: ignore[arg-type]
+        if seed:
+            informer.seed(*seed)
+        informer.start()
+        idle = asyncio.ensure_future(kube.idle.wait())
+        await asyncio.wait({idle, informer.task}, timeout=10, return_when=asyncio.FIRST_COMPLETED)  # type: ignore[arg-type]
+        idle.cancel()
+        if informer.task.done():  # type: ignore[union-attr]
+            informer.task.result()  # type: ignore[union-attr]
+        await informer.stop()
+
+    asyncio.run(go())
+    return events, progress
+
+
+def test_seeded_from_a_list_it_watches_from_that_version_and_misses_nothing() -> None:
+    kube = FakeKube([], [[("DELETED", pod("a", "12"))]])
+    events, progress = run(kube, seed=([pod("a", "5")], "10"))
+    assert kube.asked[:2] == [("watch", "10"), ("watch", "12")]  # no list of its own
+    assert events == [("DELETED", "a")] and progress == ["10", "12"]
+
+
+def test_a_pod_that_went_before_a_relist_is_reported_deleted() -> None:
+    kube = FakeKube([{"metadata": {"resourceVersion": "20"}, "items": [pod("b", "19")]}], [Gone(410, "Gone", "")])
+    events, _ = run(kube, seed=([pod("a", "5")], "10"))
+    assert events == [(None, "b"), ("DELETED", "a")]
+    assert kube.asked[:3] == [("watch", "10"), ("list", None), ("watch", "20")]
+
+
+def test_an_unseeded_informer_lists_first_and_reports_deletions_against_the_seed() -> None:
+    kube = FakeKube([{"metadata": {"resourceVersion": "7"}, "items": []}], [])
+    events, _ = run(kube, seed=([pod("gone", "3")], None))
+    assert events == [("DELETED", "gone")]
+
+
+def test_other_errors_are_retried_with_backoff_and_recover() -> None:
+    forbidden = ApiError(403, "Forbidden", "pods is forbidden")
+    kube = FakeKube([], [forbidden, OSError("reset"), [("ADDED", pod("c", "11"))]])
+    events, _ = run(kube, seed=([], "10"), backoff=(0.001, 0.002))
+    assert events == [("ADDED", "c")]
+    assert [a for a in kube.asked if a[0] == "watch"][:3] == [("watch", "10")] * 3  # same version: nothing skipped
+
+
+def test_an_error_that_persists_ends_the_informer_with_the_real_error() -> None:
+    forbidden = ApiError(403, "Forbidden", "pods is forbidden: missing RBAC")
+    kube = FakeKube([], [forbidden] * 50)
+    with pytest.raises(InformerFailed, match="missing RBAC") as failed:
+        run(kube, seed=([], "10"), backoff=(0.001, 0.002), give_up_after=0.02)
+    assert failed.value.__cause__ is not None and "Forbidden" in str(failed.value.__cause__)

@@ -1,0 +1,260 @@
+"""The reconciler's executors and its free path driven without an API server (KubeRay's fake-client habit).
+
+A dict-backed client stands in for the API server and a recording one for the agents: the pure
+layer under test is what the executors send, in which order, and what they count. The same code runs
+against a real API server and real agents in tests/e2e/operator/ (test_free_claim_order.py,
+test_lifecycle.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime as dt
+
+import pytest
+
+from gpuobj_contract import names
+from gpuobj_contract.agent_api import FreeAnswer, MaterializeAnswer
+from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, Invalid, NotFound
+from gpuobj_operator.actions import Free, Materialize
+from gpuobj_operator.agent_client import AgentError, AgentUnreachable
+from gpuobj_operator.decisions import decide
+from gpuobj_operator.free_path import RetryLater
+from gpuobj_operator.metrics import OperatorMetrics
+from gpuobj_operator.model import parse_object
+from gpuobj_operator.reconciler import Reconciler
+from gpuobj_operator.settings import Settings
+
+NS = "ml"
+
+
+class FakeApi:
+    """GPUObjects, claims and pods in dicts; merge and JSON patches as the API server applies them."""
+
+    def __init__(self) -> None:
+        self.store: dict[tuple[str, str, str], dict] = {}
+        self.rv = 100
+        self.calls: list[tuple[str, str, str]] = []
+
+    def put(self, res, body: dict) -> dict:
+        self.rv += 1
+        body = copy.deepcopy(body)
+        body["metadata"]["resourceVersion"] = str(self.rv)
+        self.store[(res.plural, body["metadata"]["namespace"], body["metadata"]["name"])] = body
+        return copy.deepcopy(body)
+
+    async def get(self, res, name, namespace=None, **_):
+        self.calls.append(("get", res.plural, name))
+        try:
+            return copy.deepcopy(self.store[(res.plural, namespace, name)])
+        except KeyError:
+            raise NotFound(404, "NotFound", name) from None
+
+    async def list(self, res, namespace=None, field_selector=None, **_):
+        self.calls.append(("list", res.plural, field_selector or ""))
+        items = [o for (p, ns, _), o in self.store.items() if p == res.plural and namespace in (None, ns)]
+        if field_selector and field_selector.startswith("spec.objectName="):
+            wanted = field_selector.split("=", 1)[1]
+            items = [o for o in items if o["spec"].get("objectName") == wanted]
+        return {"metadata": {"resourceVersion": str(self.rv)}, "items": copy.deepcopy(items)}
+
+    async def patch(self, res, name, body, namespace=None, *, patch_type="merge", subresource=None, **_):
+        self.calls.append(("patch", res.plural, subresource or patch_type))
+        current = self.store.get((res.plural, namespace, name))
+        if current is None:
+            raise NotFound(404, "NotFound", name)
+        current = copy.deepcopy(current)
+        if patch_type == "json":
+            for op in body:
+                path = op["path"].strip("/").split("/")
+                if op["op"] == "test":
+                    value = (
+                        current["metadata"][path[1]] if len(path) == 2 else current["metadata"][path[1]][int(path[2])]
+                    )
+                    if value != op["value"]:
+                        raise Invalid(422, "Invalid", "test failed")
+                elif op["op"] == "remove":
+                    del current["metadata"][path[1]][int(path[2])]
+        elif subresource == "status":
+            current["status"] = body["status"]
+        else:
+            current["metadata"].update(body.get("metadata", {}))
+        if current["metadata"].get("deletionTimestamp") and not current["metadata"].get("finalizers"):
+            del self.store[(res.plural, namespace, name)]  # the API server finishes the deletion
+            return current
+        return self.put(res, current)
+
+
+class FakeAgents:
+    def __init__(self) -> None:
+        self.freed: list[str] = []
+        self.fail_free: Exception | None = None
+        self.materialize_error: Exception | None = None
+
+    async def free(self, endpoint, object_id, reason="", *, pod_uid):
+        if self.fail_free is not None:
+            raise self.fail_free
+        self.freed.append(object_id)
+        return FreeAnswer(freed=True, bytes=64)
+
+    async def materialize(self, endpoint, object_id, request, *, pod_uid):
+        if self.materialize_error is not None:
+            raise self.materialize_error
+        return MaterializeAnswer(created=True, id=object_id, bytes=64, incarnation="inc-1")
+
+
+class Events:
+    def __init__(self) -> None:
+        self.posted: list[tuple[str, str]] = []
+
+    def post(self, *, reason: str, message: str, **_) -> None:
+        self.posted.append((reason, message))
+
+
+def pod_body() -> dict:
+    return {
+        "metadata": {"namespace": NS, "name": "src", "uid": "pod-uid-1", "labels": {names.LABEL_AGENT: "true"}},
+        "spec": {"containers": [{"name": "w", "ports": [{"name": names.AGENT_PORT_NAME, "containerPort": 8471}]}]},
+        "status": {"phase": "Running", "podIP": "10.0.0.5"},
+    }
+
+
+def object_body(name: str = "w", *, declared: bool = False) -> dict:
+    spec = {"source": {"podName": "src", "podUID": "pod-uid-1"}, "tensors": [{"shape": [16], "dtype": "float32"}]}
+    if not declared:
+        spec["objectId"] = f"o-{name}"
+    return {
+        "metadata": {"namespace": NS, "name": name, "uid": f"uid-{name}", "finalizers": [names.FINALIZER_FREE]},
+        "spec": spec,
+    }
+
+
+def claim_body(name: str, object_name: str = "w") -> dict:
+    return {"metadata": {"namespace": NS, "name": name, "uid": f"uid-{name}"}, "spec": {"objectName": object_name}}
+
+
+def setup(*bodies) -> tuple[Reconciler, FakeApi, FakeAgents, Events]:
+    api, agents, events = FakeApi(), FakeAgents(), Events()
+    api.put(PODS, pod_body())
+    for res, body in bodies:
+        api.put(res, body)
+    box: list[Reconciler] = []
+    r = Reconciler(api, agents, OperatorMetrics(lambda: box[0].ledger), events, Settings(status_delay=0))  # type: ignore[arg-type]
+    box.append(r)
+    return r, api, agents, events
+
+
+async def release(r: Reconciler, api: FakeApi, name: str = "w") -> list:
+    """The owner's delete: the API server sets deletionTimestamp, the watch delivers it."""
+    obj = api.store[("gpuobjects", NS, name)]
+    obj["metadata"]["deletionTimestamp"] = "2026-12-02T04:00:00Z"
+    r.on_object("MODIFIED", api.put(GPUOBJECTS, obj))
+    return decide(r.ledger, "object", (NS, name), dt.datetime.now(dt.UTC))
+
+
+def test_the_free_path_reads_the_claims_frees_on_the_agent_then_drops_the_finalizer() -> None:
+    async def go() -> None:
+        r, api, agents, events = setup((GPUOBJECTS, object_body()))
+        await r.sync()
+        (free,) = await release(r, api)
+        assert isinstance(free, Free)
+        await r.execute(free)
+        assert agents.freed == ["o-w"]
+        assert ("gpuobjects", NS, "w") not in api.store  # the finalizer went, so did the object
+        kinds = [c for c in api.calls if c[0] != "get"]
+        assert kinds[-2:] == [("list", "gpuobjectclaims", "spec.objectName=w"), ("patch", "gpuobjects", "json")]
+        assert [reason for reason, _ in events.posted] == ["Freed"]
+        await r.execute(free)  # the same decision again (a duplicate work item): nothing twice
+        assert agents.freed == ["o-w"]
+        assert r.metrics.frees.labels("freed")._value.get() == 1
+
+    asyncio.run(go())
+
+
+def test_a_claim_the_ledger_has_not_seen_stops_the_free_and_it_is_decided_again() -> None:
+    async def go() -> None:
+        r, api, agents, _ = setup((GPUOBJECTS, object_body()))
+        await r.sync()
+        (free,) = await release(r, api)
+        api.put(CLAIMS, claim_body("late"))  # made before the deletion, not yet delivered by the watch
+        await r.execute(free)
+        assert agents.freed == [] and ("gpuobjects", NS, "w") in api.store
+        r.queue.close()  # the free was re-asked for (after a second: no claims watch to wait on)
+
+    asyncio.run(go())
+
+
+def test_a_free_whose_finalizer_removal_failed_is_not_freed_twice_on_retry() -> None:
+    async def go() -> None:
+        r, api, agents, _ = setup((GPUOBJECTS, object_body()))
+        await r.sync()
+        (free,) = await release(r, api)
+        real_patch = api.patch
+
+        async def failing_patch(*a, **kw):
+            raise OSError("connection reset")
+
+        api.patch = failing_patch  # type: ignore[method-assign]
+        with pytest.raises(OSError):
+            await r.execute(free)
+        assert agents.freed == ["o-w"]
+        api.patch = real_patch  # type: ignore[method-assign]
+        await r.execute(free)  # the worker's retry
+        assert agents.freed == ["o-w"] and ("gpuobjects", NS, "w") not in api.store
+
+    asyncio.run(go())
+
+
+def test_an_unreachable_agent_is_retried_and_a_refusing_one_reported() -> None:
+    async def go() -> None:
+        r, api, agents, events = setup((GPUOBJECTS, object_body()))
+        await r.sync()
+        (free,) = await release(r, api)
+        agents.fail_free = AgentUnreachable("timeout")
+        with pytest.raises(RetryLater):
+            await r.execute(free)
+        agents.fail_free = AgentError(500, "boom")
+        with pytest.raises(RetryLater):
+            await r.execute(free)
+        assert [reason for reason, _ in events.posted] == ["FreeFailed"]
+        assert ("gpuobjects", NS, "w") in api.store  # never released without its free
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize(("status", "state", "retried"), [(404, "Pending", True), (400, "Failed", False)])
+def test_after_a_materialize_error_the_status_says_what_follows(status: int, state: str, retried: bool) -> None:
+    async def go() -> None:
+        r, api, agents, events = setup((GPUOBJECTS, object_body(declared=True)))
+        await r.sync()
+        (action,) = decide(r.ledger, "object", (NS, "w"), dt.datetime.now(dt.UTC))
+        assert isinstance(action, Materialize)
+        agents.materialize_error = AgentError(status, "no such key")
+        if retried:
+            with pytest.raises(RetryLater):
+                await r.execute(action)
+        else:
+            await r.execute(action)
+        written = parse_object(api.store[("gpuobjects", NS, "w")])
+        assert written.state == state
+        assert [reason for reason, _ in events.posted] == ([] if retried else ["MaterializeFailed"])
+
+    asyncio.run(go())
+
+
+def test_a_declared_object_becomes_ready_with_its_bytes_and_references_in_one_status_write() -> None:
+    async def go() -> None:
+        r, api, _, events = setup((GPUOBJECTS, object_body(declared=True)), (CLAIMS, claim_body("reader")))
+        await r.sync()
+        (action,) = decide(r.ledger, "object", (NS, "w"), dt.datetime.now(dt.UTC))
+        await r.execute(action)
+        writes = [c for c in api.calls if c == ("patch", "gpuobjects", "status")]
+        status = api.store[("gpuobjects", NS, "w")]["status"]
+        assert len(writes) == 1
+        assert (status["state"], status["bytes"], status["references"], status["claims"]) == ("Ready", 64, 2, 1)
+        assert status["transport"]["agentIncarnation"] == "inc-1"
+        assert decide(r.ledger, "object", (NS, "w"), dt.datetime.now(dt.UTC)) == []  # nothing left to write
+        assert [reason for reason, _ in events.posted] == ["Materialized"]
+
+    asyncio.run(go())
