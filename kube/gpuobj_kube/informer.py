@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import aiohttp
 
@@ -28,7 +29,8 @@ from gpuobj_kube.client import ApiError, Gone, KubeClient, Resource
 
 log = logging.getLogger("gpuobj.informer")
 
-Handler = Callable[[str | None, dict], None]
+JSON = dict[str, Any]
+Handler = Callable[[str | None, JSON], None]
 ObjectKey = tuple[str, str]
 
 
@@ -36,7 +38,7 @@ class InformerFailed(Exception):
     """A watch failed for longer than the informer retries; ``__cause__`` is the last real error."""
 
 
-def _key(obj: dict) -> ObjectKey:
+def _key(obj: JSON) -> ObjectKey:
     return (obj["metadata"].get("namespace", ""), obj["metadata"]["name"])
 
 
@@ -63,13 +65,14 @@ class Informer:
         self.watch_timeout = watch_timeout
         self.backoff = backoff
         self.give_up_after = give_up_after
-        self._known: dict[ObjectKey, dict] = {}
+        self._known: dict[ObjectKey, JSON] = {}
         self._resume_at: str | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self.failing_since: float | None = None  # monotonic start of the current run of errors
         self.last_error: BaseException | None = None
+        self._failures = 0  # errors in the current run
 
-    def seed(self, objs: Iterable[dict], resource_version: str | None = None) -> None:
+    def seed(self, objs: Iterable[JSON], resource_version: str | None = None) -> None:
         """What the handler already knows from an earlier list (the caller's sync), listed at
         ``resource_version``: the informer watches from there (no list of its own), or, without a
         version, lists first and reports whichever of them went meanwhile as DELETED."""
@@ -78,7 +81,7 @@ class Informer:
         self._resume_at = resource_version
 
     @property
-    def task(self) -> asyncio.Task | None:
+    def task(self) -> asyncio.Task[None] | None:
         """Done only when the informer failed (InformerFailed) or was stopped."""
         return self._task
 
@@ -96,7 +99,7 @@ class Informer:
 
     async def _relist(self) -> str:
         listed = await self.kube.list(self.resource, self.namespace, label_selector=self.label_selector)
-        seen = {}
+        seen: dict[ObjectKey, JSON] = {}
         for obj in listed["items"]:
             seen[_key(obj)] = obj
             self.handler(None, obj)
@@ -104,7 +107,7 @@ class Informer:
             if key not in seen:  # deleted while we were not watching
                 self.handler("DELETED", obj)
         self._known = seen
-        rv = listed["metadata"]["resourceVersion"]
+        rv = str(listed["metadata"]["resourceVersion"])
         self.on_progress(rv)
         return rv
 
@@ -120,7 +123,8 @@ class Informer:
                 f"watch of {self.resource.plural} failing for {now - self.failing_since:.0f}s: {exc}"
             ) from exc
         first, cap = self.backoff
-        return min(cap, first * 2 ** (self._failures - 1))
+        delay: float = min(cap, first * 2.0 ** (self._failures - 1))
+        return delay
 
     def _recovered(self) -> None:
         if self.failing_since is not None:
