@@ -210,7 +210,11 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
                 kubeconfig=creds.kubeconfig,
                 # One user's processes on one node, as Ray's actors here, which use UCX's cma: the same
                 # transport on every side (off by default across tenants, docs/security.md).
-                env={"GPUOBJ_OPERATOR_SERVICEACCOUNT": operator_subject(NAMESPACE), "GPUOBJ_ALLOW_CMA": "true"},
+                env={
+                    "GPUOBJ_OPERATOR_SERVICEACCOUNT": operator_subject(NAMESPACE),
+                    "GPUOBJ_ALLOW_CMA": "true",
+                    "GPUOBJ_WRITE_WINDOW": str(args.window),
+                },
             ).start(ready_timeout=180)
             workloads.append(w)
             return w
@@ -474,6 +478,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", nargs="+", default=["small", "large"], choices=["tiny", "small", "large"])
     parser.add_argument("--readers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--versions", type=int, default=10)
+    parser.add_argument(
+        "--window",
+        type=float,
+        default=0.1,
+        help="gpuobj's write-behind window, seconds: a version freed within it is never recorded and is freed "
+        "locally at its last release; one that outlives it is freed by the operator (docs/write-behind.md)",
+    )
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray RDT side")
     parser.add_argument("--json", help="write every figure to this file")
     parser.add_argument("--settle", type=float, default=1.5, help="wait for the 1-minute load below this (0: don't)")
@@ -489,7 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     from gpuobj_dev import models
 
     models.ensure_transformers()  # once, before either side starts (a cached folder afterwards)
-    passthrough = ["--sizes", *args.sizes, "--readers", *map(str, args.readers), "--versions", str(args.versions)]
+    passthrough = [
+        "--sizes", *args.sizes, "--readers", *map(str, args.readers), "--versions", str(args.versions),
+        "--window", str(args.window),
+    ]  # fmt: skip
     print(f"# {os.cpu_count()} CPUs, load {load()} before the run", flush=True)
     ray: dict | str = "skipped (--no-ray)"
     if not args.no_ray:
