@@ -231,7 +231,7 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
             out["rows"][size] = {"bytes": nbytes, "tensors": tensors, "by_readers": {}}
             # raw NIXL: the same bytes, one READ of pre-registered memory, trainer -> the first reader
             md, span = trainer.eval(f"raw_source({nbytes})", timeout=300)
-            times = readers["rollout-0"].eval(f"raw_read({md!r}, {span!r}, {nbytes}, 5)", timeout=600)
+            times = readers["rollout-0"].eval(f"raw_read({md!r}, {span!r}, {nbytes}, 10)", timeout=600)
             trainer.run("raw_source_close()")
             out["raw"][size] = {"seconds": times, "gbs": nbytes / median(times) / 1e9}
             for count in args.readers:
