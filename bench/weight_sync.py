@@ -95,7 +95,9 @@ def raw_source(nbytes):
     return [dump_pickle(raw_agent.partial_metadata([raw_key])), dump_pickle(Span.of(raw_buf))]
 
 def raw_source_close():
+    global raw_buf
     raw_agent.deregister([raw_key]); raw_agent.close()
+    del raw_buf
 """
 
 READER_SETUP = r"""
@@ -236,14 +238,18 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
             out["raw"][size] = {"seconds": times, "gbs": nbytes / median(times) / 1e9}
             for count in args.readers:
                 names = list(readers)[:count]
-                row = version_loop(args, trainer, readers, names, incarnations, nbytes)
+                try:
+                    row = version_loop(args, trainer, readers, names, incarnations, nbytes)
+                except Exception as exc:  # report it with what was measured (e.g. a process killed for memory)
+                    out["errors"].append(f"{size} x{count}: {type(exc).__name__}: {str(exc)[:300]}")
+                    break
                 out["rows"][size]["by_readers"][str(count)] = row
                 print(
                     f"# gpuobj {size} x{count}: {row['median_ms']:.1f} ms, {row['gbs_per_reader']:.2f} GB/s",
                     file=sys.stderr,
                     flush=True,
                 )
-        out["leaked_bytes_end"] = leaked_end(operator)
+        out["leaked_bytes_end"] = leaked_end(operator) if not out["errors"] else None
         out["load_end"] = load()
         return out
     finally:
