@@ -216,6 +216,8 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
                     "GPUOBJ_OPERATOR_SERVICEACCOUNT": operator_subject(NAMESPACE),
                     "GPUOBJ_ALLOW_CMA": "true",
                     "GPUOBJ_WRITE_WINDOW": str(args.window),
+                    # A reader keeps two versions' landing buffers registered and faulted in (docs/weight-sync.md).
+                    "GPUOBJ_LANDING_IDLE_BYTES": str(args.landing_idle_bytes),
                 },
             ).start(ready_timeout=180)
             workloads.append(w)
@@ -491,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
         help="gpuobj's write-behind window, seconds: a version freed within it is never recorded and is freed "
         "locally at its last release; one that outlives it is freed by the operator (docs/write-behind.md)",
     )
+    parser.add_argument(
+        "--landing-idle-bytes", type=int, default=4 << 30, help="readers' idle landing memory kept registered"
+    )
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray RDT side")
     parser.add_argument("--json", help="write every figure to this file")
     parser.add_argument("--settle", type=float, default=1.5, help="wait for the 1-minute load below this (0: don't)")
@@ -508,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     models.ensure_transformers()  # once, before either side starts (a cached folder afterwards)
     passthrough = [
         "--sizes", *args.sizes, "--readers", *map(str, args.readers), "--versions", str(args.versions),
-        "--window", str(args.window),
+        "--window", str(args.window), "--landing-idle-bytes", str(args.landing_idle_bytes),
     ]  # fmt: skip
     print(f"# {os.cpu_count()} CPUs, load {load()} before the run", flush=True)
     ray: dict | str = "skipped (--no-ray)"
