@@ -49,6 +49,7 @@ bench: setup
 	  $$PIP install --quiet --target $(RAY_DIR) "ray==2.60.0" && touch $(RAY_DIR)/.complete)
 	@PYTHONPATH=$(RAY_DIR) $(VENV) bench/fetch_throughput.py
 	@PYTHONPATH=$(RAY_DIR) $(VENV) bench/lifecycle.py
+	@PYTHONPATH=$(RAY_DIR) $(VENV) bench/weight_sync.py
 
 # Regenerate the committed dashboard JSON and alert rules from Python (tests check they are current).
 dashboard: setup

@@ -22,6 +22,7 @@ ISSUER_URL_ENV = "GPUOBJ_ISSUER_URL"
 OPERATOR_SA_ENV = "GPUOBJ_OPERATOR_SERVICEACCOUNT"
 ALLOW_CMA_ENV = "GPUOBJ_ALLOW_CMA"
 MAX_STORE_BYTES_ENV = "GPUOBJ_MAX_STORE_BYTES"
+LANDING_IDLE_BYTES_ENV = "GPUOBJ_LANDING_IDLE_BYTES"  # idle landing memory kept registered (a reader of big objects)
 # The operator's ServiceAccount in deploy/ (the chart sets $GPUOBJ_OPERATOR_SERVICEACCOUNT in its NOTES).
 DEFAULT_OPERATOR_SA = "gpuobj-system/gpuobj-operator"
 
@@ -74,7 +75,10 @@ class AgentConfig:
     fetch_timeout: float = 120.0
     transfer_threads: int = 2
     # Idle landing buffers (registered, pre-faulted CPU memory for fetches) kept for reuse.
-    landing_idle_bytes: int = 512 << 20
+    # A reader of objects above it (a 1 GB state dict) raises it, or every fetch allocates and registers anew.
+    landing_idle_bytes: int = field(
+        default_factory=lambda: int(os.environ.get(LANDING_IDLE_BYTES_ENV, "") or 512 << 20)
+    )
     shutdown_grace: float = 5.0
     # Largest object (bytes) a declared PUT may allocate.
     max_object_bytes: int = 1 << 40

@@ -137,7 +137,7 @@ class RegistrationLedger:
     def owners(self, gid: int) -> set[str]:
         return {o for entry in self._gens.get(gid, {}).values() for o in entry.owners}
 
-    def release(self, gid: int, owner: str, *, park_exposed: bool = False) -> Released:
+    def release(self, gid: int, owner: str, *, park_exposed: bool = False, park_all: bool = False) -> Released:
         """Drop `owner` from agent `gid`; return the regions nobody uses any more (to deregister).
 
         ``park_exposed``: an exposed region nobody uses stays registered ("parked") until its agent is
@@ -146,7 +146,10 @@ class RegistrationLedger:
         force the next put of the same memory (a persistent tensor put again) into a newer agent.
         Parked, the same key serves the next put: no new registration, no rotation. A stale reader
         can reach the memory until the fence either way (deregistration fences nobody: fencing.py),
-        and the quarantine keeps it from being released before then."""
+        and the quarantine keeps it from being released before then.
+
+        ``park_all``: park every region nobody uses, exposed or not: pooled memory its owner reuses for the
+        next object (a weight-sync pack buffer), whose next put then needs no registration."""
         keys = self._by_owner.get(owner, {}).pop(gid, set())
         if owner in self._by_owner and not self._by_owner[owner]:
             del self._by_owner[owner]
@@ -158,7 +161,7 @@ class RegistrationLedger:
             entry.owners.discard(owner)
             if not entry.owners:
                 exposed = exposed or entry.exposed
-                if not (park_exposed and entry.exposed):
+                if not (park_all or (park_exposed and entry.exposed)):
                     out.append(key)
         return Released(out, exposed)
 

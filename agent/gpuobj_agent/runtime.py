@@ -180,9 +180,16 @@ class AgentRuntime:
         stream_index: int | None,
         copy: bool,
         shared_with: Sequence[str] = (),
+        on_release: Callable[[], None] | None = None,
     ) -> ObjectInfo:
         obj = await self.agent.store.put(
-            object_id, list(tensors), stream=stream, stream_index=stream_index, copy=copy, shared_with=shared_with
+            object_id,
+            list(tensors),
+            stream=stream,
+            stream_index=stream_index,
+            copy=copy,
+            shared_with=shared_with,
+            on_release=on_release,
         )
         return ObjectInfo.of(obj)
 
@@ -215,12 +222,13 @@ class AgentRuntime:
         copy: bool = False,
         timeout: float | None = 60.0,
         shared_with: Sequence[str] = (),
+        on_release: Callable[[], None] | None = None,
     ) -> ObjectInfo:
         """Hold tensors under `object_id` (zero-copy; `copy=True` stores a contiguous copy of
         non-contiguous tensors instead of refusing them) and register them for remote reads.
         Pods of this namespace may read it, and those of the namespaces in `shared_with`."""
         seq = [tensors] if isinstance(tensors, torch.Tensor) else tensors
-        return self._call(self._put(object_id, seq, stream, stream_index, copy, shared_with), timeout)
+        return self._call(self._put(object_id, seq, stream, stream_index, copy, shared_with, on_release), timeout)
 
     async def aput(
         self,
@@ -231,9 +239,12 @@ class AgentRuntime:
         stream_index: int | None = None,
         copy: bool = False,
         shared_with: Sequence[str] = (),
+        on_release: Callable[[], None] | None = None,
     ) -> ObjectInfo:
+        """``on_release``: the tensors are pooled memory the caller reuses (a weight-sync pack buffer): the
+        region stays registered when the object is freed, and this runs then, on the agent's loop."""
         seq = [tensors] if isinstance(tensors, torch.Tensor) else tensors
-        return await self._acall(self._put(object_id, seq, stream, stream_index, copy, shared_with))
+        return await self._acall(self._put(object_id, seq, stream, stream_index, copy, shared_with, on_release))
 
     def publish(self, key: str, tensors: Sequence[torch.Tensor] | torch.Tensor) -> None:
         """Offer tensors under `key` for a GPUObject declared with `kubectl apply` to bind."""

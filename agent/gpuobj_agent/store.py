@@ -95,6 +95,9 @@ class StoredObject:
     freeing: asyncio.Future | None = None
     # Namespaces besides the source's own whose pods may read it (GPUObject spec.sharedWith).
     shared_with: frozenset[str] = frozenset()
+    # Pooled memory (a client's pack buffer, gpuobj/client/state_dicts.py): the owner keeps the bytes and
+    # reuses them, so a free parks the region registered and hands the memory back here (see `_release`).
+    on_release: Callable[[], None] | None = None
 
     @property
     def devices(self) -> list[str]:
@@ -246,8 +249,12 @@ class ObjectStore:
         key: str | None = None,
         copy: bool = False,
         shared_with: Sequence[str] = (),
+        on_release: Callable[[], None] | None = None,
     ) -> StoredObject:
-        """Hold `tensors` under `object_id` (zero-copy) and register them for remote reads."""
+        """Hold `tensors` under `object_id` (zero-copy) and register them for remote reads.
+
+        ``on_release``: the tensors are pooled memory their owner reuses; called once the object is
+        freed (no read of it is in flight, no reader may start one), and the region stays registered."""
         check_id(object_id)
         if stream is not None:
             check_stream(stream)
@@ -304,6 +311,7 @@ class ObjectStore:
                     )
                     obj.description, obj.described_gid = described, gen.gid
                     obj.shared_with = frozenset(shared_with)
+                    obj.on_release = on_release
                     self.objects[object_id] = obj
                     self.nixl.members.setdefault(gen.gid, set()).add(object_id)
                     if stream is not None:
@@ -602,12 +610,13 @@ class ObjectStore:
     async def _release(self, obj: StoredObject) -> set[int]:
         """Deregister everywhere, forget the object, quarantine or drop its tensors; returns fence gens."""
         exposed: set[int] = set()
+        pooled = obj.on_release is not None
         async with self.nixl.lock:
             for gid in self.nixl.ledger.owner_generations(obj.object_id):
-                released = self.nixl.ledger.release(gid, obj.object_id, park_exposed=True)
+                released = self.nixl.ledger.release(gid, obj.object_id, park_exposed=True, park_all=pooled)
                 if released.deregister:
                     await self.nixl.deregister(gid, released.deregister)
-                if released.exposed:
+                if released.exposed and not pooled:
                     exposed.add(gid)
                 if self.nixl.gens.has(gid):
                     self.nixl.gens.get(gid).migrated.discard(obj.object_id)
@@ -630,6 +639,14 @@ class ObjectStore:
         if exposed:
             self.nixl.quarantine.add(obj.object_id, obj.nbytes, tensors, exposed, self._clock())
         del tensors  # never exposed: the memory may go now
+        if pooled:
+            # Nothing to fence: the memory is not released but reused by its owner for the next version,
+            # which only readers holding a claim on that version read. Its region stays registered here.
+            callback, obj.on_release = obj.on_release, None
+            try:
+                callback()
+            except Exception:
+                log.exception("handing pooled memory of %s back to its owner failed", obj.object_id)
         self.nixl.poke()  # a sealed agent may have just emptied, or a fence is now due
         return exposed
 

@@ -253,12 +253,16 @@ class Client:
         shared_with: Sequence[str] = (),
     ) -> ObjectRef:
         """Store tensors (zero-copy unless `copy`) as a GPUObject whose source is this pod. Pods of this
-        namespace may read it, and pods of the namespaces in `shared_with` (docs/security.md)."""
+        namespace may read it, and pods of the namespaces in `shared_with` (docs/security.md).
+
+        A mapping of names to tensors (``model.state_dict()``) is one object too: copied into one pooled,
+        registered buffer, fetched back as the same mapping (docs/weight-sync.md)."""
         return self.runner.call(
             self.core.put(tensors, name=name, labels=labels, copy=copy, shared_with=shared_with), "put"
         )
 
-    def fetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
+    def fetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list | dict:
+        """The object's tensors: a list, or the mapping of names to tensors it was put as."""
         tensors = self.core.fetch_direct(ref, device=device)  # a hand-off with a read grant: no loop hop
         if tensors is not None:
             return tensors
@@ -302,6 +306,10 @@ class Client:
     async def aflush(self, timeout: float | None = None) -> None:
         await self._loop.acall(self.core.flush(timeout), self.timeout if timeout is None else timeout + 5)
 
+    def pack_stats(self) -> dict:
+        """State dicts' pack buffers (docs/weight-sync.md): made, reused, bytes, peak bytes holding versions."""
+        return self.core.packs.stats()
+
     def write_stats(self) -> dict:
         """The write-behind queue: pending writes, families, sent, elided, retries, last error."""
         return self.runner.call(self.core.write_stats(), "read the write-behind stats")
@@ -331,7 +339,7 @@ class Client:
             self.core.put(tensors, name=name, labels=labels, copy=copy, shared_with=shared_with), "put"
         )
 
-    async def afetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
+    async def afetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list | dict:
         return await self.runner.acall(self.core.fetch(ref, device=device), f"fetch {describe_ref(ref)}")
 
     async def aborrow(self, ref: ObjectRef | ObjectAddress, *, ttl: int | None = None) -> ObjectRef:

@@ -25,10 +25,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gpuobj.client import errors
+from gpuobj.client import errors, state_dicts
 from gpuobj.client.errors import FetchError, ObjectLostError, ObjectNotFoundError
 from gpuobj.client.handles import ObjectAddress, ObjectRef, SharedRef, TensorLayout
 from gpuobj.client.releases import ReleaseQueue
+from gpuobj.client.state_dicts import Entries, PackPool, is_state_dict, unpack
 from gpuobj.client.writebehind import WriteBehind
 from gpuobj_agent.layouts import layout_of
 from gpuobj_contract import agent_api as api
@@ -84,6 +85,11 @@ def tensor_list(tensors: Any, *, what: str) -> list:
     return items
 
 
+def as_put(address: ObjectAddress, tensors: list) -> list | dict:
+    """What `fetch` returns: the list, or for a state dict the mapping it was put as."""
+    return unpack(address.entries, tensors) if address.entries else tensors
+
+
 def _source_may_be_gone(exc: BaseException) -> bool:
     """The source agent refused us or no longer knows the object: its process may have died (or freed it)."""
     from gpuobj_agent.errors import ObjectGone, SourceUnavailable
@@ -129,6 +135,7 @@ class ClientCore:
         self._read_once: weakref.WeakSet[ObjectRef] = weakref.WeakSet()
         self._pod_uids: dict[tuple[str, str], tuple[str, float]] = {}
         self._http: Any = None  # aiohttp session for hand-off releases, made on first use
+        self.packs = PackPool()  # state dicts' pack buffers, reused version after version (state_dicts.py)
         self.wb: WriteBehind | None = None
         if write_behind is not None:
             pending = getattr(agent, "set_record_pending", None)  # our own in-process agent tells the audit
@@ -162,6 +169,7 @@ class ClientCore:
         labels: dict[str, str] | None = None,
         stream: tuple[str, int, str] | None = None,
         shared_with: Sequence[str] = (),
+        entries: Entries = (),
     ) -> dict:
         meta: dict = {
             "name": name,
@@ -184,7 +192,7 @@ class ClientCore:
             ]
         spec = crd.GPUObjectSpec(
             source=crd.ObjectSource(self.pod_name, pod_uid=self.pod_uid, incarnation=self.incarnation or None),
-            tensors=tuple(crd.TensorSpec.of(t) for t in layouts),
+            tensors=_named_tensor_specs(layouts, entries),
             object_id=object_id,
             shared_with=tuple(shared_with),
             stream=item,
@@ -200,7 +208,12 @@ class ClientCore:
         stream: tuple[str, int, str] | None = None,
         copy: bool = False,
         shared_with: Sequence[str] = (),
+        entries: Entries = (),
+        on_release: Any = None,
     ) -> ObjectRef:
+        """``entries``/``on_release``: a packed state dict's names, and its pool's callback (put_state_dict)."""
+        if is_state_dict(tensors):
+            return await self.put_state_dict(tensors, name=name, labels=labels, shared_with=shared_with)
         tensors = tensor_list(tensors, what="put")
         object_id = f"o-{_short_id()}"
         name = name or f"{self.pod_name}-{object_id[2:12]}"
@@ -208,21 +221,27 @@ class ClientCore:
         stream_kw: dict[str, Any] = {"stream": stream[0], "stream_index": stream[1]} if stream else {}
         if shared_with:
             stream_kw["shared_with"] = tuple(shared_with)
+        if on_release is not None:
+            stream_kw["on_release"] = on_release
         await self.agent.aput(object_id, tensors, copy=copy, **stream_kw)
         if self.wb is not None and stream is None:
-            body = self.object_body(name, object_id, layouts, labels=labels, shared_with=shared_with)
+            body = self.object_body(name, object_id, layouts, labels=labels, shared_with=shared_with, entries=entries)
             try:
                 record = await self.wb.create_object(self.namespace, name, body, object_id)
             except BaseException:
                 with contextlib.suppress(Exception):
                     await self.agent.afree(object_id)
                 raise
-            address = ObjectAddress(self.namespace, name, "", object_id, self.pod_name, self.agent.endpoint, layouts)
+            address = ObjectAddress(
+                self.namespace, name, "", object_id, self.pod_name, self.agent.endpoint, layouts, entries
+            )
             return self.track(ObjectRef(address, "owner", self.releases.put, record=record))
         try:
             created = await self.kube.create(
                 GPUOBJECTS,
-                self.object_body(name, object_id, layouts, labels=labels, stream=stream, shared_with=shared_with),
+                self.object_body(
+                    name, object_id, layouts, labels=labels, stream=stream, shared_with=shared_with, entries=entries
+                ),
                 self.namespace,
             )
         except BaseException:
@@ -232,9 +251,53 @@ class ClientCore:
                 await self.agent.afree(object_id)
             raise
         address = ObjectAddress(
-            self.namespace, name, created["metadata"]["uid"], object_id, self.pod_name, self.agent.endpoint, layouts
+            self.namespace,
+            name,
+            created["metadata"]["uid"],
+            object_id,
+            self.pod_name,
+            self.agent.endpoint,
+            layouts,
+            entries,
         )
         return self.track(ObjectRef(address, "owner", self.releases.put))
+
+    # ------------------------------------------------------------ state dicts (state_dicts.py)
+
+    async def put_state_dict(
+        self,
+        state_dict: Any,
+        *,
+        name: str | None = None,
+        labels: dict[str, str] | None = None,
+        shared_with: Sequence[str] = (),
+    ) -> ObjectRef:
+        """One object for a whole state dict: copied into a pooled pack buffer (one NIXL region; none new
+        once a buffer of these shapes was freed), names kept, tied tensors stored once."""
+        plan = state_dicts.plan(state_dict)
+        pack = self.packs.take(plan)
+        back = self.packs.returner(pack)
+        try:
+            await asyncio.to_thread(pack.fill, plan)  # the version's bytes, copied off the client loop
+            pooled = self._agent_pools()
+            return await self.put(
+                pack.views,
+                name=name,
+                labels=labels,
+                shared_with=shared_with,
+                entries=plan.entries,
+                on_release=back if pooled else None,
+            )
+        except BaseException:
+            back()  # never stored (or already freed by the failed put): the buffer is free again
+            raise
+
+    def _agent_pools(self) -> bool:
+        """Whether our agent keeps pooled memory registered across frees (the embedded AgentRuntime does)."""
+        import inspect
+
+        aput = getattr(self.agent, "aput", None)
+        return aput is not None and "on_release" in inspect.signature(aput).parameters
 
     def publish(self, key: str, tensors: Any) -> None:
         """Offer tensors under a key, for a GPUObject declared with kubectl (spec.key) to bind (any thread)."""
@@ -267,7 +330,7 @@ class ClientCore:
                     )
                     if ref in self._read_once:
                         ref.release()  # a read-once hand-off: its one read is done (lands after end_read)
-                    return tensors
+                    return as_put(address, tensors)
         finally:
             self.releases.end_read(claim)
         return None
@@ -294,7 +357,7 @@ class ClientCore:
                 )
             if isinstance(ref, ObjectRef) and ref in self._read_once:
                 await self.release(ref)  # a read-once hand-off: its one read is done
-            return tensors
+            return as_put(address, tensors)
         except Exception as exc:
             if address.namespace != self.namespace or _read_refused(exc):
                 # Across namespaces this pod may not read the GPUObject in the API (RBAC): the source
@@ -611,3 +674,12 @@ class ClientCore:
         if self._http is not None:
             await self._http.close()
         await self.kube.close()
+
+
+def _named_tensor_specs(layouts: Sequence[TensorLayout], entries: Entries) -> tuple[crd.TensorSpec, ...]:
+    """spec.tensors; a state dict's tensors carry their (first) name, for people reading the object."""
+    names_by_index: dict[int, str] = {}
+    for tensor_name, index in reversed(entries):
+        if len(tensor_name) <= 253:
+            names_by_index[index] = tensor_name
+    return tuple(crd.TensorSpec(t.shape, t.dtype, t.device, names_by_index.get(i)) for i, t in enumerate(layouts))

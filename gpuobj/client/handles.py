@@ -30,6 +30,8 @@ class ObjectAddress:
     source_pod: str
     source_endpoint: str
     layouts: tuple[TensorLayout, ...] = field(default_factory=tuple)
+    # A state dict's names: (name, index into layouts); tied names share an index. Empty: a list object.
+    entries: tuple[tuple[str, int], ...] = ()
 
     @property
     def bytes(self) -> int:

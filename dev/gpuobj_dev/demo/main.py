@@ -46,7 +46,9 @@ class Demo:
         self.weights_mib = 8 if args.quick else 64
         self.orphan_mib = 4 if args.quick else 16
         self.leak_grace = 4 if args.quick else 10
-        self.steps = 11
+        self.steps = 12
+        self.policy_size = "small"  # the ~46 M-parameter Qwen2 (gpuobj_dev.models), in both runs
+        self.policy_steps = 5
         self.step_no = 0
         self.stack = contextlib.ExitStack()
         self.workloads: dict[str, WorkloadProcess] = {}
@@ -81,11 +83,13 @@ class Demo:
             self.share_weights()
             self.pipeline()
             self.release_weights()
+            self.weight_sync()
             self.kill_holder_pod()
             self.plant_orphan()
             self.check_dashboard()
             self.finish()
-        return 0 if self.report.get("leaked_bytes_end") == 0 and self.report.get("wrong_items") == 0 else 1
+        ok = self.report.get("leaked_bytes_end") == 0 and self.report.get("wrong_items") == 0
+        return 0 if ok and self.report.get("weight_sync_ok") else 1
 
     def bring_up(self) -> None:
         state_dir = Path(self.args.state_dir)
@@ -243,6 +247,71 @@ class Demo:
                 f"{(time.monotonic() - t0) * 1000:.0f} ms after the last release"
             )
 
+    def weight_sync(self) -> None:
+        """A trainer publishes a real model's weights each step; two rollouts compute with exactly them."""
+        from gpuobj_dev.testing.workload import pickled, unpickled
+
+        rollouts = ["rollout-0", "rollout-1"]
+        steps = self.policy_steps
+        with self.step(f"weight sync: trainer-0 publishes a Qwen2 model {steps} times to rollout-0 and rollout-1"):
+            names = ["trainer-0", *rollouts]
+            with ThreadPoolExecutor(len(names)) as pool:
+                pods = dict(zip(names, pool.map(self._start_pod, names), strict=True))
+            setup = "from gpuobj_dev.demo import weight_sync as ws; scene = ws.{}(client, {!r})"
+            with ThreadPoolExecutor(len(names)) as pool:  # each builds its model (transformers, random init)
+                list(pool.map(lambda n: pods[n].run(setup.format("Rollout" if n in rollouts else "Trainer",
+                                                                  self.policy_size), 600), names))  # fmt: skip
+            trainer, ok = pods["trainer-0"], True
+            for version in range(1, steps + 1):
+                published = unpickled(trainer.eval_pickle(f"scene.publish({version}, {rollouts!r})", 300))
+                self.report["objects"] += 1
+                logits = {
+                    name: pods[name].eval(f"scene.take(load_pickle({pickled(published['shares'][name])!r}))", 300)
+                    for name in rollouts
+                }
+                same = all(v == published["logits"] for v in logits.values())
+                ok = ok and same
+                pack = published["pack"]
+                verdict = "equal to the trainer's, bit for bit" if same else "DIFFERENT from the trainer's"
+                self.say(
+                    f"step {version}: {published['tensors']} tensors, {published['bytes'] / MIB:.0f} MiB in one "
+                    f"object; rollout logits {verdict}; trainer pack buffers {pack['buffers']} "
+                    f"(NIXL regions, reused {pack['reused']} times)"
+                )
+                self.show_objects(f"after step {version}: the new version, and the previous one until it is freed")
+            for name in names:
+                pods[name].run("scene.finish()")
+            self._wait_gone("policy-v", timeout=60)
+            self.show_objects("every version freed")
+            for name in names:
+                pods[name].stop(timeout=60)
+
+            async def delete() -> None:
+                async with self.cluster.client() as kube:
+                    for name in names:
+                        await delete_pod(kube, NAMESPACE, name)
+
+            asyncio.run(delete())
+            self.report["weight_sync_ok"] = ok
+            self.say(f"{steps} versions; every rollout's logits equal the trainer's: {ok}")
+
+    def _wait_gone(self, prefix: str, timeout: float) -> None:
+        """Until no GPUObject whose name starts with `prefix` is left."""
+        from gpuobj_kube.client import GPUOBJECTS
+
+        async def go() -> None:
+            async with self.cluster.client() as kube:
+                deadline = time.monotonic() + timeout
+                while True:
+                    items = (await kube.list(GPUOBJECTS, NAMESPACE))["items"]
+                    if not any(o["metadata"]["name"].startswith(prefix) for o in items):
+                        return
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"GPUObjects {prefix}* still there after {timeout}s")
+                    await asyncio.sleep(0.2)
+
+        asyncio.run(go())
+
     def kill_holder_pod(self) -> None:
         with self.step("trouble: a pod holding the last reference to a checkpoint dies"):
             producer, consumer = self.workloads["producer-0"], self.workloads["consumer-0"]
@@ -335,6 +404,8 @@ class Demo:
         print(f"  frees acknowledged      {r['frees']:.0f}")
         print(f"  bytes moved by NIXL     {r['bytes_moved'] / MIB:.1f} MiB")
         print(f"  weights fetch           {r['weights_fetch_gbps']:.2f} GB/s")
+        print(f"  weight sync             {self.policy_steps} versions, rollout logits bit for bit: "
+              f"{r.get('weight_sync_ok')}")  # fmt: skip
         print(f"  free latency            p50 {r['free_latency_p50_ms']:.1f} ms, p99 {r['free_latency_p99_ms']:.1f} ms")
         print(
             f"  leaked bytes            {r['leaked_bytes_end']:.0f}"

@@ -60,12 +60,13 @@ def test_quick_demo_runs_end_to_end_and_leaves_nothing_behind(tmp_path: Path) ->
     )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
     lines = proc.stdout
-    for step in range(1, 12):
-        assert f"[{step:2d}/11]" in lines
+    for step in range(1, 13):
+        assert f"[{step:2d}/12]" in lines
     assert "$ kubectl get gpuobj -n gpuobj-demo" in lines
     assert "summary" in lines and "leaked bytes            0" in lines
     r = json.loads(report.read_text())
     assert r["wrong_items"] == 0 and r["weights_ok"]
+    assert r["weight_sync_ok"]  # each rollout's logits equal the trainer's, bit for bit, every step
     assert r["leaked_bytes_peak"] > 0 and r["leaked_bytes_end"] == 0  # the planted leak was seen, then reclaimed
     assert r["frees"] > 0 and r["bytes_moved"] > 0
     empty = [name for name, has_data in r["panels"].items() if not has_data]

@@ -1,0 +1,537 @@
+"""Weight sync: a trainer publishes a real model's weights every step to rollout readers; gpuobj vs Ray RDT
+vs raw NIXL, each side in its own subprocess, one table with ratios.
+
+The model is a Qwen2 architecture built by transformers from a config with random initialisation
+(gpuobj_dev.models): "small" (~46 M parameters, ~93 MB in bfloat16) and "large" (Qwen2-0.5B's shape,
+~494 M parameters, ~988 MB, 290 tensors). Per size and reader count (1, 2, 4) the trainer publishes
+--versions versions, changing every weight each step; every reader fetches every version, verifies it
+(gpuobj_dev.models.checksum: names, shapes, dtypes and sampled bytes, the same function on every side)
+and releases the previous one.
+
+- gpuobj: real control plane, operator and workload processes as their ServiceAccounts. The trainer
+  `put`s its state_dict (one object per version, packed into a pooled registered region) and shares
+  it with each reader (a claim that dies with the reader's process); it releases its own reference to
+  the previous version; each reader adopts, fetches, verifies, then releases the version before.
+- Ray 2.60 RDT, the documented way: a trainer actor whose method returns the state dict with
+  ``tensor_transport="nixl"``, rollout actors (``enable_tensor_transport=True``) that receive the ref as
+  an argument and keep the version until the next one, the driver dropping each version's ref.
+- raw NIXL: the same bytes, one READ of pre-registered memory, between the trainer and the first
+  reader process (no control plane at all): the ceiling for one reader.
+
+Printed per row: median time from the publish call to every reader holding the verified version,
+fetch GB/s per reader, NIXL registrations and deregistrations per version in the trainer (after
+the second version), and the trainer's peak bytes (its pack buffers) in versions. The machine's
+load is printed. A benchmark, not a test: nothing here asserts a timing.
+
+    make bench
+    .venv/bin/python bench/weight_sync.py [--small] [--readers 1 2 4] [--versions 10] [--no-ray] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.lifecycle import load, settle  # noqa: E402  (the machine's load, and waiting for it to settle)
+
+NAMESPACE = "gpuobj-bench"
+
+TRAINER_SETUP = r"""
+import time
+from gpuobj_dev import models
+from gpuobj_agent.nixl_transport import NixlAgent, Span, region_of
+ledger = client.agent.agent.nixl.ledger
+mine = None
+
+def build(size):
+    global model
+    model = models.build(size)
+    sd = model.state_dict()
+    from gpuobj.client.state_dicts import plan
+    return [plan(sd).nbytes, len(sd)]  # tied tensors once, as stored
+
+def publish(version, readers):
+    global mine
+    models.step(model, version)
+    sd = model.state_dict()
+    crc = models.checksum(sd)
+    regs = [ledger.registrations, ledger.deregistrations]
+    t0 = time.monotonic()
+    ref = client.put(sd)
+    shares = [dump_pickle(client.share(ref, name, incarnation=inc)) for name, inc in readers]
+    old, mine = mine, ref
+    if old is not None:
+        old.release()
+    return [t0, crc, shares, regs]
+
+def finish():
+    global mine
+    if mine is not None:
+        mine.release()
+        mine = None
+    client.flush()
+    return [ledger.registrations, ledger.deregistrations, client.pack_stats()]
+
+def raw_source(nbytes):
+    global raw_agent, raw_buf, raw_key
+    import torch
+    raw_agent = NixlAgent("bench-raw-src")
+    raw_buf = torch.ones(nbytes, dtype=torch.uint8)
+    raw_key = region_of(raw_buf)
+    raw_agent.register([raw_key])
+    return [dump_pickle(raw_agent.partial_metadata([raw_key])), dump_pickle(Span.of(raw_buf))]
+
+def raw_source_close():
+    global raw_buf
+    raw_agent.deregister([raw_key]); raw_agent.close()
+    del raw_buf
+"""
+
+READER_SETUP = r"""
+import time
+from gpuobj_dev import models
+from gpuobj_agent.nixl_transport import NixlAgent, Span, region_of
+held = None
+
+def take(shared, crc):
+    global held
+    h = client.adopt(load_pickle(shared))
+    t = time.monotonic()
+    sd = client.fetch(h)
+    fetched = time.monotonic()
+    ok = models.checksum(sd) == crc
+    done = time.monotonic()
+    old, held = held, (h, sd)
+    if old is not None:
+        old[0].release()
+    del old
+    return [ok, fetched - t, done]
+
+def drop():
+    global held
+    if held is not None:
+        held[0].release()
+        held = None
+    client.flush()
+
+def raw_read(metadata, span, nbytes, reads):
+    import torch
+    agent = NixlAgent("bench-raw-dst")
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    key = region_of(dst)
+    agent.register([key])
+    try:
+        name = agent.load_remote(load_pickle(metadata))
+        remote = load_pickle(span)
+        times = []
+        for _ in range(reads):
+            t = time.monotonic()
+            agent.read(name, [remote], [dst], deadline=time.monotonic() + 120, registered=True)
+            times.append(time.monotonic() - t)
+        assert bool(dst[::4099].eq(1).all())
+        return times
+    finally:
+        agent.deregister([key]); agent.close()
+"""
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+# ------------------------------------------------------------------------------ gpuobj + raw NIXL side
+
+
+def gpuobj_side(args: argparse.Namespace) -> dict:
+    from gpuobj_dev.cluster import DevCluster
+    from gpuobj_dev.testing.cluster import ClusterHandle
+    from gpuobj_dev.testing.identities import (
+        OPERATOR_SA,
+        WORKLOAD_SA,
+        credentials,
+        install_identities,
+        operator_subject,
+    )
+    from gpuobj_dev.testing.operator import OperatorProcess
+    from gpuobj_dev.testing.pods import create_agent_pod
+    from gpuobj_dev.testing.workload import WorkloadProcess, free_port
+
+    state = Path(tempfile.mkdtemp(prefix="gpuobj-bench-"))
+    cluster = DevCluster(state, tie_to_parent=True, log=lambda m: print(f"# {m}", file=sys.stderr, flush=True))
+    handle = ClusterHandle(cluster, cluster.up())
+    workloads: list[WorkloadProcess] = []
+    identities: list = []
+    operator = None
+    out: dict = {"load_start": load(), "rows": {}, "raw": {}, "errors": []}
+    try:
+        handle.apply_crds()
+        handle.kubectl("create", "namespace", NAMESPACE)
+        install_identities(handle, NAMESPACE)
+        op_creds = credentials(handle, NAMESPACE, OPERATOR_SA, state / "operator")
+        identities.append(op_creds)
+        operator = (
+            OperatorProcess(
+                op_creds.agent_token.with_name("kubeconfig"),
+                op_creds.agent_token,
+                lease_namespace=NAMESPACE,
+                extra_args=["--namespace", NAMESPACE],
+            )
+            .start()
+            .wait_ready()
+        )
+
+        async def pod(name: str, port: int) -> str:
+            async with handle.client() as kube:
+                created = await create_agent_pod(kube, NAMESPACE, name, port=port, service_account=WORKLOAD_SA)
+                return created["metadata"]["uid"]
+
+        def start(name: str) -> WorkloadProcess:
+            port = free_port()
+            uid = asyncio.run(pod(name, port))
+            creds = credentials(handle, NAMESPACE, WORKLOAD_SA, state / name, pod=(name, uid))
+            identities.append(creds)
+            w = WorkloadProcess(
+                pod_name=name,
+                namespace=NAMESPACE,
+                pod_uid=uid,
+                port=port,
+                token_file=creds.agent_token,
+                kubeconfig=creds.kubeconfig,
+                # One user's processes on one node, as Ray's actors here, which use UCX's cma: the same
+                # transport on every side (off by default across tenants, docs/security.md).
+                env={
+                    "GPUOBJ_OPERATOR_SERVICEACCOUNT": operator_subject(NAMESPACE),
+                    "GPUOBJ_ALLOW_CMA": "true",
+                    "GPUOBJ_WRITE_WINDOW": str(args.window),
+                    # A reader keeps two versions' landing buffers registered and faulted in (docs/weight-sync.md).
+                    "GPUOBJ_LANDING_IDLE_BYTES": str(args.landing_idle_bytes),
+                },
+            ).start(ready_timeout=180)
+            workloads.append(w)
+            return w
+
+        trainer = start("trainer")
+        trainer.run(TRAINER_SETUP)
+        readers = {f"rollout-{i}": start(f"rollout-{i}") for i in range(max(args.readers))}
+        incarnations = {}
+        for name, r in readers.items():
+            r.run(READER_SETUP)
+            incarnations[name] = r.eval("client.incarnation")
+        for size in args.sizes:
+            nbytes, tensors = trainer.eval(f"build({size!r})", timeout=600)
+            out["rows"][size] = {"bytes": nbytes, "tensors": tensors, "by_readers": {}}
+            # raw NIXL: the same bytes, one READ of pre-registered memory, trainer -> the first reader
+            md, span = trainer.eval(f"raw_source({nbytes})", timeout=300)
+            times = readers["rollout-0"].eval(f"raw_read({md!r}, {span!r}, {nbytes}, 10)", timeout=600)
+            trainer.run("raw_source_close()")
+            out["raw"][size] = {"seconds": times, "gbs": nbytes / median(times) / 1e9}
+            for count in args.readers:
+                names = list(readers)[:count]
+                try:
+                    row = version_loop(args, trainer, readers, names, incarnations, nbytes)
+                except Exception as exc:  # report it with what was measured (e.g. a process killed for memory)
+                    out["errors"].append(f"{size} x{count}: {type(exc).__name__}: {str(exc)[:300]}")
+                    break
+                out["rows"][size]["by_readers"][str(count)] = row
+                print(
+                    f"# gpuobj {size} x{count}: {row['median_ms']:.1f} ms, {row['gbs_per_reader']:.2f} GB/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        out["leaked_bytes_end"] = leaked_end(operator) if not out["errors"] else None
+        out["load_end"] = load()
+        return out
+    finally:
+        for w in workloads:
+            w.kill()
+        if operator:
+            operator.stop()
+        for creds in identities:
+            with contextlib.suppress(Exception):
+                creds.stop()
+        cluster.down(quiet=True)
+
+
+def version_loop(args, trainer, readers, names, incarnations, nbytes) -> dict:
+    """--versions versions to `names`; per version: publish -> every reader verified, fetch time, counts."""
+    targets = [[n, incarnations[n]] for n in names]
+    totals, fetch_s, regs, verified = [], [], [], True
+    for version in range(1, args.versions + 1):
+        t0, crc, shares, counts = trainer.eval(f"publish({version}, {targets!r})", timeout=600)
+        regs.append(counts)
+        results: dict[str, list] = {}
+
+        def take(name: str, shared: str, crc: int = crc, results: dict = results) -> None:
+            results[name] = readers[name].eval(f"take({shared!r}, {crc})", timeout=600)
+
+        threads = [threading.Thread(target=take, args=(n, s)) for n, s in zip(names, shares, strict=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if len(results) != len(names):
+            raise RuntimeError(f"version {version}: {len(names) - len(results)} reader(s) failed")
+        verified = verified and all(r[0] for r in results.values())
+        totals.append(max(r[2] for r in results.values()) - t0)
+        fetch_s.extend(r[1] for r in results.values())
+    for n in names:
+        readers[n].run("drop()")
+    end_regs, end_deregs, pool = trainer.eval("finish()")
+    regs.append([end_regs, end_deregs])
+    # Per version after the second: from the third publish to the end of the run.
+    later = max(1, len(regs) - 3)
+    return {
+        "median_ms": median(totals) * 1000,
+        "publish_to_verified_ms": [x * 1000 for x in totals],
+        "gbs_per_reader": nbytes / median(fetch_s) / 1e9,
+        "registrations_per_version_after_second": (regs[-1][0] - regs[2][0]) / later,
+        "deregistrations_per_version_after_second": (regs[-1][1] - regs[2][1]) / later,
+        "registrations_total": regs[-1][0] - regs[0][0],
+        "trainer_peak_bytes": pool["bytes"],
+        "trainer_peak_versions": pool["bytes"] / nbytes,
+        "bytes_verified": verified,
+    }
+
+
+def leaked_end(operator) -> float:
+    """The operator's leaked bytes once everything is released (it counts after its settle time)."""
+    deadline = time.monotonic() + 60
+    value = operator.metric("gpuobj_leaked_bytes")
+    while value and time.monotonic() < deadline:
+        time.sleep(0.5)
+        value = operator.metric("gpuobj_leaked_bytes")
+    return value
+
+
+# ------------------------------------------------------------------------------------------- Ray side
+
+
+def ray_side(args: argparse.Namespace) -> dict:
+    import logging
+
+    import ray
+
+    from gpuobj_dev import models
+
+    models.ensure_transformers()
+    os.environ.setdefault("RAY_worker_niceness", "0")  # as in bench/lifecycle.py: the default priority
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.ERROR,
+    )
+    out: dict = {"load_start": load(), "rows": {}, "errors": []}
+    try:
+
+        @ray.remote(num_cpus=0, enable_tensor_transport=True)
+        class Trainer:
+            def build(self, size: str) -> int:
+                from gpuobj_dev import models
+
+                self.models = models
+                self.model = models.build(size)
+                return 0
+
+            def step(self, version: int) -> int:
+                self.models.step(self.model, version)
+                return self.models.checksum(self.model.state_dict())
+
+            @ray.method(tensor_transport="nixl")
+            def state(self):
+                return self.model.state_dict()
+
+        @ray.remote(num_cpus=0, enable_tensor_transport=True)
+        class Rollout:
+            def __init__(self) -> None:
+                from gpuobj_dev import models
+
+                models.ensure_transformers()
+                self.models = models
+                self.held = None
+
+            def take(self, sd, crc: int) -> list:
+                ok = self.models.checksum(sd) == crc
+                self.held = sd  # keep this version until the next one (the previous one goes now)
+                return [ok, time.monotonic()]
+
+            def drop(self) -> None:
+                self.held = None
+
+        trainer = Trainer.remote()
+        rollouts = [Rollout.remote() for _ in range(max(args.readers))]
+        for size in args.sizes:
+            ray.get(trainer.build.remote(size), timeout=600)
+            row: dict = {"by_readers": {}}
+            for count in args.readers:
+                group = rollouts[:count]
+                totals, verified = [], True
+                try:
+                    for version in range(1, args.versions + 1):
+                        crc = ray.get(trainer.step.remote(version), timeout=600)
+                        t0 = time.monotonic()
+                        ref = trainer.state.remote()
+                        answers = ray.get([r.take.remote(ref, crc) for r in group], timeout=600)
+                        del ref  # the driver drops the version's ref
+                        verified = verified and all(a[0] for a in answers)
+                        totals.append(max(a[1] for a in answers) - t0)
+                    ray.get([r.drop.remote() for r in group], timeout=120)
+                except Exception as exc:  # report it; keep what was measured
+                    out["errors"].append(f"{size} x{count}: {type(exc).__name__}: {str(exc)[:300]}")
+                    continue
+                row["by_readers"][str(count)] = {
+                    "median_ms": median(totals) * 1000,
+                    "publish_to_verified_ms": [x * 1000 for x in totals],
+                    "bytes_verified": verified,
+                }
+                print(f"# ray {size} x{count}: {median(totals) * 1000:.1f} ms", file=sys.stderr, flush=True)
+            out["rows"][size] = row
+        out["load_end"] = load()
+        return out
+    finally:
+        ray.shutdown()
+
+
+# ------------------------------------------------------------------------------------------- driver
+
+
+def run_side(side: str, argv: list[str]) -> dict | str:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--side", side, "--out", path, *argv], check=False)
+        if proc.returncode != 0:
+            return f"{side} side exited {proc.returncode} (see its output above)"
+        return json.loads(Path(path).read_text())
+    finally:
+        Path(path).unlink(missing_ok=True)
+
+
+def summarize(ray: dict | str, ours: dict | str, args: argparse.Namespace) -> dict:
+    """The table, and the figures --json writes."""
+    print()
+    for name, side in (("Ray RDT", ray), ("gpuobj", ours)):
+        if isinstance(side, dict):
+            print(f"{name}: load (1/5/15 min) {side['load_start']} at start, {side['load_end']} at end")
+            for error in side.get("errors", []):
+                print(f"  {name} failed: {error}")
+        else:
+            print(f"{name}: {side}")
+    figures: dict = {"ray": ray, "gpuobj": ours, "args": vars(args)}
+    if not isinstance(ours, dict):
+        return figures
+    head = (
+        f"{'model':>6} | {'MB':>6} | {'tensors':>7} | {'readers':>7} | {'gpuobj ms':>9} | {'GB/s/reader':>11} | "
+        f"{'raw GB/s':>8} | {'vs raw':>6} | {'Ray ms':>8} | {'vs Ray':>6} | {'reg/v':>5} | {'dereg/v':>7} | "
+        f"{'peak v':>6}"
+    )
+    print(head)
+    print("-" * len(head))
+    ratios, regs, peaks, verified = [], [], [], True
+    for size, row in ours["rows"].items():
+        raw = ours["raw"][size]["gbs"]
+        for count, r in row["by_readers"].items():
+            ray_row = ray["rows"].get(size, {}).get("by_readers", {}).get(count) if isinstance(ray, dict) else None
+            ratio = ray_row["median_ms"] / r["median_ms"] if ray_row else None
+            if ratio is not None:
+                ratios.append(ratio)
+                verified = verified and ray_row["bytes_verified"]
+            regs.append(r["registrations_per_version_after_second"])
+            peaks.append(r["trainer_peak_versions"])
+            verified = verified and r["bytes_verified"]
+            print(
+                f"{size:>6} | {row['bytes'] / 1e6:6.0f} | {row['tensors']:7d} | {count:>7} | {r['median_ms']:9.1f} | "
+                f"{r['gbs_per_reader']:11.2f} | {raw:8.2f} | {r['gbs_per_reader'] / raw:6.0%} | "
+                + (f"{ray_row['median_ms']:8.1f} | {ratio:5.2f}x" if ray_row else f"{'-':>8} | {'-':>6}")
+                + f" | {r['registrations_per_version_after_second']:5.2f} | "
+                f"{r['deregistrations_per_version_after_second']:7.2f} | {r['trainer_peak_versions']:6.1f}"
+            )
+    large = "large" if "large" in ours["rows"] else None
+    one = ours["rows"][large]["by_readers"].get("1") if large else None
+    figures.update(
+        {
+            "min_ratio_vs_ray": min(ratios) if ratios else None,
+            "raw_ratio_one_reader_large": one["gbs_per_reader"] / ours["raw"][large]["gbs"] if one else None,
+            "registrations_per_version_after_second": max(regs) if regs else None,
+            "trainer_peak_versions": max(peaks) if peaks else None,
+            "bytes_verified": verified,
+            "leaked_bytes_end": ours.get("leaked_bytes_end"),
+        }
+    )
+    print(
+        "min ratio vs Ray {min_ratio_vs_ray}, one reader vs raw NIXL (large) {raw_ratio_one_reader_large}, "
+        "registrations per version after the second {registrations_per_version_after_second}, trainer peak "
+        "{trainer_peak_versions} versions, bytes verified {bytes_verified}, leaked bytes at the end "
+        "{leaked_bytes_end}".format(**figures)
+    )
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="only the ~50 M-parameter model")
+    parser.add_argument("--sizes", nargs="+", default=["small", "large"], choices=["tiny", "small", "large"])
+    parser.add_argument("--readers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--versions", type=int, default=10)
+    parser.add_argument(
+        "--window",
+        type=float,
+        default=0.1,
+        help="gpuobj's write-behind window, seconds: a version freed within it is never recorded and is freed "
+        "locally at its last release; one that outlives it is freed by the operator (docs/write-behind.md)",
+    )
+    parser.add_argument(
+        "--landing-idle-bytes", type=int, default=4 << 30, help="readers' idle landing memory kept registered"
+    )
+    parser.add_argument("--no-ray", action="store_true", help="skip the Ray RDT side")
+    parser.add_argument("--json", help="write every figure to this file")
+    parser.add_argument("--settle", type=float, default=1.5, help="wait for the 1-minute load below this (0: don't)")
+    parser.add_argument("--side", choices=["ray", "gpuobj"], help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.small:
+        args.sizes = ["small"]
+    if args.side:
+        result = ray_side(args) if args.side == "ray" else gpuobj_side(args)
+        Path(args.out).write_text(json.dumps(result))
+        return 0
+    from gpuobj_dev import models
+
+    models.ensure_transformers()  # once, before either side starts (a cached folder afterwards)
+    passthrough = [
+        "--sizes", *args.sizes, "--readers", *map(str, args.readers), "--versions", str(args.versions),
+        "--window", str(args.window), "--landing-idle-bytes", str(args.landing_idle_bytes),
+    ]  # fmt: skip
+    print(f"# {os.cpu_count()} CPUs, load {load()} before the run", flush=True)
+    ray: dict | str = "skipped (--no-ray)"
+    if not args.no_ray:
+        try:
+            import ray as _ray  # noqa: F401
+        except ImportError:
+            ray = "ray not importable (make bench installs ray==2.60.0)"
+        else:
+            settle(args.settle, 180)
+            ray = run_side("ray", passthrough)
+    settle(args.settle, 180)
+    ours = run_side("gpuobj", passthrough)
+    figures = summarize(ray, ours, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return 0 if isinstance(ours, dict) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Weight sync end to end: a trainer pod publishes a real model's state dict every step to rollout pods.
+
+Real control plane, the real operator, real workload processes moving bytes with NIXL; the model is a
+Qwen2 architecture built by transformers from a config (random initialisation, gpuobj_dev.models).
+The pattern (docs/weight-sync.md): one GPUObject per version, a claim per reader, the trainer's own
+reference dropped once the next version is out, each reader releasing the previous version once it
+holds the new one.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuobj_dev.testing import agent_http
+from gpuobj_dev.testing.cluster import ClusterHandle
+from gpuobj_dev.testing.operator import OperatorProcess
+from gpuobj_dev.testing.waits import wait_until
+from gpuobj_kube.client import GPUOBJECTS
+from tests.e2e.operator.conftest import Pods, kube
+from tests.e2e.operator.test_lifecycle import assert_api_empty, wait_object
+
+pytestmark = pytest.mark.nixl
+
+TRAINER = "trainer"
+READERS = ("rollout-0", "rollout-1")
+SETUP = "from gpuobj_dev import models; held = {}"
+
+
+def registrations(pods: Pods, token_file) -> float:
+    return agent_http.metric(pods.endpoint(TRAINER), "gpuobj_agent_nixl_registrations_total", {"op": "register"})
+
+
+def publish(trainer, version: int) -> int:
+    """One training step, then put the new state dict; the trainer's reference to the previous one goes."""
+    trainer.run(
+        f"models.step(model, {version}); sd = model.state_dict(); crc = models.checksum(sd)\n"
+        f"held[{version}] = client.put(sd, name='policy-v{version}')\n"
+        f"old = held.pop({version - 1}, None)\n"
+        "if old is not None: old.release()"
+    )
+    return trainer.eval("crc")
+
+
+def hand_to(trainer, reader, name: str, version: int, crc: int) -> None:
+    """The reader adopts its claim on `version`, fetches it, verifies it, then releases the version before."""
+    shared = trainer.eval_pickle(f"client.share(held[{version}], {name!r})")
+    reader.run(
+        f"h = client.adopt(load_pickle({shared!r})); sd = client.fetch(h)\n"
+        f"assert models.checksum(sd) == {crc}, 'version {version} is not the one published'\n"
+        f"held[{version}] = (h, sd)\n"
+        f"old = held.pop({version - 1}, None)\n"
+        "if old is not None: old[0].release()\n"
+        "del old, sd"
+    )
+
+
+def freed(trainer) -> None:
+    """The version before last is freed at the source: its pack buffer is back in the trainer's pool."""
+    wait_until(lambda: trainer.eval("client.pack_stats()['idle']") >= 1, "the previous version freed", 30)
+
+
+def finish(cluster, namespace, pods: Pods, token_file, trainer, readers) -> None:
+    """Everyone lets go: every version freed, nothing held but the trainer's idle pack buffers."""
+    for name, reader in readers.items():
+        reader.run("[h.release() for h, _ in held.values()]; held.clear()")
+        agent_http.assert_holds_nothing(pods.endpoint(name), token_file)
+    trainer.run("[r.release() for r in held.values()]; held.clear(); client.flush()")
+    wait_until(lambda: kube(cluster, lambda k: k.list(GPUOBJECTS, namespace))["items"] == [], "every version freed", 30)
+    endpoint = pods.endpoint(TRAINER)
+    assert agent_http.inventory(endpoint, token_file)["objects"] == []
+    assert agent_http.metric(endpoint, "gpuobj_agent_store_bytes") == 0
+    assert agent_http.metric(endpoint, "gpuobj_agent_quarantined_bytes") == 0
+    pool = trainer.eval("client.pack_stats()")
+    assert pool["busyBytes"] == 0
+    # The idle pack buffers stay registered for the next version; the process deregisters them at exit.
+    assert agent_http.metric(endpoint, "gpuobj_agent_nixl_registered_bytes") == pool["bytes"]
+    assert_api_empty(cluster, namespace)
+
+
+def test_a_real_models_state_dict_round_trips_with_names_dtypes_bytes_and_tied_weights(
+    gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
+) -> None:
+    trainer, reader = pods.workload(TRAINER), pods.workload(READERS[0])
+    for w in (trainer, reader):
+        w.run(SETUP + "; model = models.build('tiny')")
+    before = registrations(pods, token_file)
+    trainer.run("sd = model.state_dict(); ref = client.put(sd, name='policy'); client.flush()")
+    count = trainer.eval("len(sd)")
+    assert count > 20 and registrations(pods, token_file) == before + 1  # every tensor in one region
+    obj = kube(gpuobj_cluster, lambda k: k.get(GPUOBJECTS, "policy", namespace))
+    assert obj["spec"]["tensors"][0]["name"]  # kubectl shows what each tensor is
+    assert trainer.eval("model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()")
+    assert len(obj["spec"]["tensors"]) == count - 1  # the tied output layer is stored once
+
+    shared = trainer.eval_pickle("client.share(ref, 'rollout-0')")
+    reader.run(f"h = client.adopt(load_pickle({shared!r})); got = client.fetch(h); mine = model.state_dict()")
+    assert reader.eval("list(got) == list(mine)")
+    assert reader.eval("all(got[n].dtype == t.dtype and got[n].shape == t.shape for n, t in mine.items())")
+    assert reader.eval("got['model.embed_tokens.weight'].dtype == torch.bfloat16")
+    assert reader.eval("all(torch.equal(got[n], t) for n, t in mine.items())")  # same seed, same weights
+    assert reader.eval("got['lm_head.weight'] is got['model.embed_tokens.weight']")  # restored tied
+    # The rollout side: load the fetched weights into its model and run it (tied weights stay tied).
+    reader.run("model.load_state_dict(got); x = models.fixed_input(model); logits = model(x).logits")
+    trainer.run("logits = model(models.fixed_input(model)).logits")
+    same = "models.checksum({'logits': logits}, stride=1)"  # every byte
+    assert reader.eval(same) == trainer.eval(same)  # bit for bit
+    reader.run("del got, mine; h.release()")
+    trainer.run("ref.release()")
+    wait_object(gpuobj_cluster, namespace, "policy", lambda o: o is None)
+    finish(gpuobj_cluster, namespace, pods, token_file, trainer, {READERS[0]: reader})
+
+
+def test_versions_after_the_second_make_no_registration_and_a_lagging_reader_keeps_a_whole_version(
+    gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
+) -> None:
+    trainer = pods.workload(TRAINER)
+    readers = {name: pods.workload(name) for name in READERS}
+    trainer.run(SETUP + "; model = models.build('tiny')")
+    for reader in readers.values():
+        reader.run(SETUP)
+    crcs = {}
+    for version in (1, 2):
+        crcs[version] = publish(trainer, version)
+        for name, reader in readers.items():
+            hand_to(trainer, reader, name, version, crcs[version])
+    freed(trainer)
+    after_second = registrations(pods, token_file)
+    for version in range(3, 7):  # readers keep up: each version reuses the region two versions back
+        crcs[version] = publish(trainer, version)
+        for name, reader in readers.items():
+            hand_to(trainer, reader, name, version, crcs[version])
+        freed(trainer)
+    assert registrations(pods, token_file) == after_second  # 0 registrations for versions 3-6
+    assert trainer.eval("client.pack_stats()['buffers']") == 2
+
+    # rollout-1 lags: it keeps version 6 while the trainer publishes 7 and 8 and rollout-0 follows.
+    lagging, keeping = readers["rollout-1"], readers["rollout-0"]
+    for version in (7, 8):
+        crcs[version] = publish(trainer, version)
+        hand_to(trainer, keeping, "rollout-0", version, crcs[version])
+    assert lagging.eval(f"models.checksum(held[6][1]) == {crcs[6]}")  # its copy is version 6, whole
+    # and version 6 still lives at the source, untouched by 7 and 8: a fresh fetch is version 6 again
+    assert lagging.eval(f"models.checksum(client.fetch(held[6][0])) == {crcs[6]}")
+    trainer.run("client.flush()")  # recorded now (write-behind elides what lives only briefly)
+    assert kube(gpuobj_cluster, lambda k: k.get(GPUOBJECTS, "policy-v6", namespace))["status"]["state"]
+    assert trainer.eval("client.pack_stats()['buffers']") == 3  # the lag cost one region, no waiting
+    finish(gpuobj_cluster, namespace, pods, token_file, trainer, readers)
+
+
+def test_a_reader_killed_mid_fetch_leaves_nothing_held(
+    gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
+) -> None:
+    trainer, reader = pods.workload(TRAINER), pods.workload(READERS[0])
+    trainer.run(SETUP + "; model = models.build('small')")
+    reader.run("import threading; fetching = threading.Event()")
+    incarnation = reader.eval("client.incarnation")
+    trainer.run("ref = client.put(model.state_dict(), name='policy-v1')")
+    shared = trainer.eval_pickle(f"client.share(ref, 'rollout-0', incarnation={incarnation!r})")
+    reader.run(
+        f"h = client.adopt(load_pickle({shared!r}))\n"
+        "def loop():\n"
+        "    while True:\n"
+        "        fetching.set(); client.fetch(h)\n"
+        "threading.Thread(target=loop, daemon=True).start(); fetching.wait(30)"
+    )
+    pods.workloads[READERS[0]].kill()  # SIGKILL while it reads (it does little else)
+    trainer.run("ref.release(); client.flush()")
+    wait_object(gpuobj_cluster, namespace, "policy-v1", lambda o: o is None, timeout=60)
+    endpoint = pods.endpoint(TRAINER)
+    assert agent_http.inventory(endpoint, token_file)["objects"] == []
+    wait_until(lambda: agent_http.metric(endpoint, "gpuobj_agent_inflight_reads") == 0, "no read in flight", 30)
+    assert agent_http.metric(endpoint, "gpuobj_agent_store_bytes") == 0
+    assert trainer.eval("client.pack_stats()['busyBytes']") == 0
+    wait_until(lambda: operator.metric("gpuobj_leaked_bytes") == 0, "no leaked bytes", 30)
+    assert_api_empty(gpuobj_cluster, namespace)

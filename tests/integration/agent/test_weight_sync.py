@@ -1,0 +1,124 @@
+"""Weight sync at the agent: a state dict packed into one region, versions reusing their regions with
+no new NIXL registration, real NIXL between two agents in this process (the client and operator
+side is tests/e2e/operator/test_weight_sync.py)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from gpuobj.client.errors import InvalidTensorError
+from gpuobj.client.state_dicts import PackPool, plan, unpack
+
+from .conftest import TOKEN, settle
+
+pytestmark = pytest.mark.nixl
+
+
+def state_dict(version: int) -> dict[str, torch.Tensor]:
+    """A model-like state dict: many tensors, several dtypes, a 0-d one, an empty one, a tied pair."""
+    gen = torch.Generator().manual_seed(version)
+    embed = torch.randn(64, 32, generator=gen).to(torch.bfloat16)
+    sd = {"embed.weight": embed}
+    for layer in range(12):
+        sd[f"layers.{layer}.w"] = torch.randn(32, 48, generator=gen).to(torch.bfloat16)
+        sd[f"layers.{layer}.norm"] = torch.randn(32, generator=gen)
+        sd[f"layers.{layer}.steps"] = torch.tensor(version * 100 + layer, dtype=torch.int64)
+    sd["mask"] = torch.arange(7) % 2 == 0
+    sd["empty"] = torch.empty(0, 3, dtype=torch.float16)
+    sd["lm_head.weight"] = embed  # tied to the embeddings
+    return sd
+
+
+class Publisher:
+    """What the client does for put(state_dict): plan, take a pooled pack, fill it, put it with a callback."""
+
+    def __init__(self, rt) -> None:
+        self.rt = rt
+        self.pool = PackPool()
+        self.entries = {}
+
+    def publish(self, object_id: str, sd: dict[str, torch.Tensor]) -> None:
+        p = plan(sd)
+        pack = self.pool.take(p)
+        pack.fill(p)
+        self.rt.put(object_id, pack.views, on_release=self.pool.returner(pack))
+        self.entries[object_id] = p.entries
+
+
+def registrations(rt) -> int:
+    return rt.stats()["registrations"]
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def assert_only_pool_parked(stats: dict, buffers: int) -> None:
+    """Nothing held but the pool's regions, parked registered for the next version (deregistered at stop)."""
+    assert stats["objects"] == 0 and stats["storeBytes"] == 0, stats
+    assert stats["inflightReads"] == 0 and stats["quarantinedBytes"] == 0, stats
+    assert stats["registeredRegions"] == buffers, stats
+    assert stats["registrations"] - stats["deregistrations"] == buffers, stats
+
+
+def test_a_state_dict_is_one_region_and_comes_back_with_its_names_dtypes_bytes_and_ties(make_runtime):
+    src, dst = make_runtime("src"), make_runtime("dst")
+    pub = Publisher(src)
+    sd = state_dict(1)
+    before = registrations(src)
+    pub.publish("v1", sd)
+    assert registrations(src) == before + 1  # 39 tensors, one registration
+    got = unpack(pub.entries["v1"], dst.fetch(src.endpoint, "v1", token=TOKEN))
+    assert list(got) == list(sd)
+    for name, t in sd.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(raw(got[name]), raw(t)), name
+    assert got["lm_head.weight"] is got["embed.weight"]  # tied: stored once, restored tied
+    del got
+    gc.collect()
+    assert src.free("v1")["freed"]
+    assert_only_pool_parked(src.stats(), 1)
+    settle(dst.stats)
+
+
+def test_overlapping_views_and_mixed_devices_and_non_tensors_are_refused_clearly():
+    base = torch.zeros(10)
+    with pytest.raises(InvalidTensorError, match="overlapping"):
+        plan({"a": base[:6], "b": base[4:]})
+    with pytest.raises(InvalidTensorError, match=r"not a torch\.Tensor"):
+        plan({"a": base, "b": 3})
+    with pytest.raises(InvalidTensorError, match="empty"):
+        plan({})
+    assert len(plan({"a": base[:5], "b": base[5:]}).sources) == 2  # disjoint views of one storage: fine
+
+
+def test_versions_reuse_their_regions_with_no_new_registration_and_a_lagging_reader_keeps_its_own(make_runtime):
+    src, dst = make_runtime("src"), make_runtime("dst")
+    pub = Publisher(src)
+    start = registrations(src)
+    pub.publish("v1", state_dict(1))
+    pub.publish("v2", state_dict(2))
+    lagging = unpack(pub.entries["v1"], dst.fetch(src.endpoint, "v1", token=TOKEN))  # a reader still on v1
+    assert src.free("v2")["freed"]  # everybody else moved on
+    for version in range(3, 9):  # v1 is held; each version reuses the region its predecessor left
+        pub.publish(f"v{version}", state_dict(version))
+        fetched = unpack(pub.entries[f"v{version}"], dst.fetch(src.endpoint, f"v{version}", token=TOKEN))
+        assert torch.equal(fetched["layers.3.w"], state_dict(version)["layers.3.w"])
+        del fetched
+        assert src.free(f"v{version}")["freed"]
+    assert registrations(src) == start + 2  # two regions for eight versions
+    assert pub.pool.stats()["buffers"] == 2
+    assert src.stats()["rotations"] == 0 and src.stats()["quarantinedBytes"] == 0  # nothing to fence
+    # The lagging reader's v1 was never overwritten: it is still whole, and still readable at the source.
+    assert torch.equal(lagging["layers.11.steps"], torch.tensor(111))
+    again = unpack(pub.entries["v1"], dst.fetch(src.endpoint, "v1", token=TOKEN))
+    assert all(torch.equal(raw(again[n]), raw(t)) for n, t in state_dict(1).items())
+    del lagging, again
+    gc.collect()
+    assert src.free("v1")["freed"]
+    assert pub.pool.stats()["busyBytes"] == 0
+    assert_only_pool_parked(src.stats(), 2)
+    settle(dst.stats)
