@@ -171,7 +171,9 @@ async def run(args: argparse.Namespace, handle: ClusterHandle, folder: Path, fig
                 pods_running_s=r.pods_running_s,
                 created_per_s=r.created_per_s,
             )
-            extra["ramp API writes per object"] = f"{r.api_writes_per_object:.2f} (every client)"
+            extra["ramp API writes per object"] = f"{r.api_writes_per_object:.2f} (every client): " + ", ".join(
+                f"{k} {v:.2f}" for k, v in list(r.writes_by_resource.items())[:8]
+            )
             extra["ramp operator CPU per object"] = f"{1e3 * ramp_cpu.get('operator', 0) / max(1, r.objects):.2f} ms"
             extra["ramp API server CPU per object"] = (
                 f"{1e3 * ramp_cpu.get('kube-apiserver', 0) / max(1, r.objects):.2f} ms"
@@ -210,7 +212,8 @@ async def run(args: argparse.Namespace, handle: ClusterHandle, folder: Path, fig
             for step in c.steps:
                 extra[f"churn at {step.target_per_s:g}/s"] = (
                     f"achieved {step.achieved_per_s:.0f}/s, p99 {fmt(step.mutating_p99_s)} s, "
-                    f"{step.writes_per_lifecycle:.2f} writes each, {step.unfreed} unfreed"
+                    f"{step.writes_per_lifecycle:.2f} writes each, {step.unfreed} unfreed; per lifecycle: "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in list(step.writes_by_resource.items())[:8])
                 )
             audits = await phases.run("audit", scenarios.audit_at_size(h, args.audit_sizes, args.audit_timeout, log))
             for a in audits:

@@ -49,6 +49,14 @@ class ApiSnapshot:
             total += n
         return total
 
+    def writes_by_resource(self) -> dict[str, float]:
+        """Mutating requests by "VERB resource", largest first: which writes a figure is made of."""
+        out: dict[str, float] = {}
+        for (verb, _, resource), n in self.requests.items():
+            if verb in MUTATING and n > 0:
+                out[f"{verb} {resource}"] = out.get(f"{verb} {resource}", 0.0) + n
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
     def reads(self) -> float:
         return sum(n for (verb, _, _), n in self.requests.items() if verb in ("GET", "LIST"))
 

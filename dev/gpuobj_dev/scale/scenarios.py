@@ -65,6 +65,7 @@ class Ramp:
     pods_running_s: float
     created_per_s: float
     api_writes_per_object: float
+    writes_by_resource: dict[str, float] = field(default_factory=dict)  # per object
 
 
 async def ramp(h: ScaleHarness, pods: int, objects_per_pod: int, progress: Progress) -> Ramp:
@@ -95,7 +96,8 @@ async def ramp(h: ScaleHarness, pods: int, objects_per_pod: int, progress: Progr
     async def report() -> None:
         while True:
             await asyncio.sleep(15)
-            progress(f"put and shared {done}/{pods * objects_per_pod}")
+            pending = sum(p.core.wb.pending_writes for p in made if p.core is not None and p.core.wb is not None)
+            progress(f"put and shared {done}/{pods * objects_per_pod}, {pending} API writes queued")
 
     reporter = asyncio.create_task(report())
     try:
@@ -295,6 +297,7 @@ class ChurnStep:
     mutating_p99_s: float | None
     writes_per_lifecycle: float
     unfreed: int
+    writes_by_resource: dict[str, float] = field(default_factory=dict)  # per lifecycle
 
 
 @dataclass
@@ -345,6 +348,7 @@ async def churn(h: ScaleHarness, rates: list[float], step_seconds: float, hold: 
             window.mutating_p99(),
             window.writes() / max(1, n),
             len(left),
+            {k: v / max(1, n) for k, v in window.writes_by_resource().items()},
         )
         out.steps.append(step)
         progress(
