@@ -188,7 +188,9 @@ async def run(args: argparse.Namespace, handle: ClusterHandle, folder: Path, fig
                 liveness_requests_per_pod_s=idle.liveness_per_pod_s,
             )
             extra["idle lease writes per min"] = f"{idle.lease_writes_per_min:.1f} (operator lease and kwok's nodes)"
-            extra["idle all API writes per min"] = f"{idle.all_writes_per_min:.1f}"
+            extra["idle all API writes per min"] = f"{idle.all_writes_per_min:.1f}: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in list(idle.writes_by_resource.items())[:8]
+            )
             extra["idle operator CPU"] = f"{100 * idle.operator_cpu_s / idle.seconds:.1f}% of a core"
             dead_count = max(2, round(len(h.fleet.alive()) * args.dead_fraction))  # type: ignore[union-attr]
             d = await phases.run("dead holders", scenarios.dead_holders(h, dead_count, log))

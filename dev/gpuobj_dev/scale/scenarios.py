@@ -110,7 +110,16 @@ async def ramp(h: ScaleHarness, pods: int, objects_per_pod: int, progress: Progr
     after = await scrape(h)
     objects = pods * objects_per_pod
     claims = sum(len(p.claims) for p in made)
-    return Ramp(pods, objects, claims, running_s, objects / elapsed, after.minus(before).writes() / max(1, objects))
+    window = after.minus(before)
+    return Ramp(
+        pods,
+        objects,
+        claims,
+        running_s,
+        objects / elapsed,
+        window.writes() / max(1, objects),
+        {k: v / max(1, objects) for k, v in window.writes_by_resource().items()},
+    )
 
 
 # ---------------------------------------------------------------- cold restart
@@ -164,6 +173,7 @@ class Idle:
     liveness_per_pod_s: float
     info_requests: int
     operator_cpu_s: float
+    writes_by_resource: dict[str, float] = field(default_factory=dict)  # per minute
 
 
 async def idle(h: ScaleHarness, seconds: float, progress: Progress) -> Idle:
@@ -188,6 +198,7 @@ async def idle(h: ScaleHarness, seconds: float, progress: Progress) -> Idle:
         info / max(1, len(fleet.alive())) / elapsed,
         info,
         used.get("operator", 0.0),
+        {k: v / minutes for k, v in window.writes_by_resource().items()},
     )
 
 

@@ -65,7 +65,7 @@ class Run:
 def run(gpuobj_cluster: ClusterHandle, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     r = Run(gpuobj_cluster, tmp_path_factory.mktemp("scale"))
     try:
-        r(r.h.__aenter__())
+        r(r.h.__aenter__(), timeout=1800)  # the first run on a machine builds kwok (~5 min here)
         r(scenarios.ramp(r.h, PODS, OBJECTS_PER_POD, r.h.log), timeout=900)
         yield r
     finally:
