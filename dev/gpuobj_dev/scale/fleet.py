@@ -326,7 +326,7 @@ class Fleet:
 
     # ------------------------------------------------------------ trouble
 
-    def _forget_process(self, pod: FleetPod, now: float) -> list[Key]:
+    def _forget_process(self, pod: FleetPod) -> list[Key]:
         """The pod's process is gone: its handles with it (nothing released), its claims no longer count."""
         dropped = []
         for key, ref in pod.claims.items():
@@ -362,7 +362,7 @@ class Fleet:
         Returns when it died and the claims its old process held."""
         assert self.admin is not None
         died = time.monotonic()
-        dropped = self._forget_process(pod, died)
+        dropped = self._forget_process(pod)
         await self._end_process(pod)
         pod.restarts += 1
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -392,7 +392,7 @@ class Fleet:
         when = time.monotonic()
         dropped: list[Key] = []
         for pod in pods:
-            dropped += self._forget_process(pod, when)
+            dropped += self._forget_process(pod)
         await asyncio.gather(*(self._end_process(p) for p in pods))
         for pod in pods:
             pod.deleted = True
@@ -436,7 +436,7 @@ class Fleet:
                 await self._refresher
         for pod in self.pods.values():
             if pod.agent is not None and not pod.agent.stopped:
-                self._forget_process(pod, time.monotonic())
+                self._forget_process(pod)
         await asyncio.gather(*(self._end_process(p) for p in self.pods.values()), return_exceptions=True)
         if self.admin is not None:
             await self.admin.close()

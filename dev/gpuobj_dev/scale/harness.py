@@ -127,7 +127,7 @@ class ScaleHarness:
                     raise TimeoutError(f"{ready}/{self.node_count} kwok nodes Ready after {timeout:.0f}s")
                 await asyncio.sleep(0.5)
 
-    def _operator_process(self) -> OperatorProcess:
+    def new_operator(self) -> OperatorProcess:
         assert self._op_creds is not None
         self.operator_starts += 1
         op = OperatorProcess(
@@ -142,7 +142,7 @@ class ScaleHarness:
         return op
 
     async def start_operator(self, ready_timeout: float = 600) -> OperatorProcess:
-        op = self._operator_process()
+        op = self.new_operator()
         self.operator = op
         await asyncio.to_thread(op.start)
         await asyncio.to_thread(op.wait_ready, ready_timeout)

@@ -141,7 +141,7 @@ async def cold_restart(h: ScaleHarness, progress: Progress, timeout: float = 600
     frees_before = fleet.frees
     await h.kill_operator()
     t0 = time.monotonic()
-    op = h._operator_process()
+    op = h.new_operator()
     h.operator = op
     await asyncio.to_thread(op.start)
     await asyncio.to_thread(op.wait_for_line, r"synced:", timeout)
