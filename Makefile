@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv/bin/python
 TOOLS ?= etcd kubernetes helm prometheus
 
-.PHONY: setup demo test test-unit lint toolchain images dev-cluster-up dev-cluster-down bench dashboard clean
+.PHONY: setup demo test test-unit lint toolchain images dev-cluster-up dev-cluster-down bench bench-scale dashboard clean
 
 setup:
 	@PYTHONPATH=dev $(PYTHON) -m gpuobj_dev.pyenv
@@ -50,6 +50,12 @@ bench: setup
 	@PYTHONPATH=$(RAY_DIR) $(VENV) bench/fetch_throughput.py
 	@PYTHONPATH=$(RAY_DIR) $(VENV) bench/lifecycle.py
 	@PYTHONPATH=$(RAY_DIR) $(VENV) bench/weight_sync.py
+
+# The operator at cluster scale (docs/scale.md): kwok nodes, an agent fleet at their pod IPs, every
+# scenario of one run; needs root (the pod CIDR becomes a local route). BENCH_SCALE_ARGS adds options.
+bench-scale: setup
+	@PYTHONPATH=dev $(PYTHON) -m gpuobj_dev.toolchain ensure kwok
+	@$(VENV) bench/scale.py $(BENCH_SCALE_ARGS)
 
 # Regenerate the committed dashboard JSON and alert rules from Python (tests check they are current).
 dashboard: setup

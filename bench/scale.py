@@ -1,0 +1,273 @@
+"""The operator at cluster scale: kwok nodes, a fleet of real agents at their pod IPs, one run, every scenario.
+
+    make bench-scale                                   # 1,000 pods, 20 nodes, 100 objects per pod
+    .venv/bin/python bench/scale.py --pods 200 --objects-per-pod 20 --idle-seconds 60 --json out.json
+
+On one control plane (etcd, kube-apiserver, kube-controller-manager) this starts kwok with --nodes
+fake nodes and a pod CIDR made local on this machine, the operator as its own ServiceAccount with
+the chart's roles (reaching agents at status.podIP), and the agent fleet (dev/gpuobj_dev/scale):
+every fake pod's real agent control server and store at its pod IP, and the real client core with
+the pod's own bound tokens. Then, in order, on the same cluster:
+
+  ramp          --pods pods Running, --objects-per-pod objects each, each handed off to the next pod
+                (one claim held by another pod; the producer drops its own reference)
+  cold restart  the operator SIGKILLed, a fresh one: time to synced, to every agent audited, RSS, frees
+  idle          --idle-seconds with nothing changing: operator API writes, liveness requests per pod
+  dead holders  holders' processes restarted (new incarnation, restartCount + 1 in pod status), half
+                dying again in their first second; p99 time until what they held is freed; pods deleted
+  storm         10% of the pods deleted at once: time until every byte they referenced is freed,
+                the API server's mutating p99 meanwhile
+  churn         recorded lifecycles at rising rates: the highest with mutating p99 <= 1 s, writes each
+  audit         agents holding 10, 1,000, 10,000 orphans: every inventory read whole, every orphan reclaimed
+  end           wrong frees (freed while referenced, as the fleet knows) and leaked bytes
+
+It prints a table (measured, the issue's target, their ratio, met or not) with the machine's load,
+per-phase CPU of each process (the breakdown behind a miss) and writes every figure with --json.
+Needs root (the local route). Ctrl-C or an error tears everything down. A benchmark: nothing asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from gpuobj_dev.cluster import DevCluster  # noqa: E402
+from gpuobj_dev.scale import scenarios  # noqa: E402
+from gpuobj_dev.scale.harness import ScaleHarness  # noqa: E402
+from gpuobj_dev.scale.kwok import DEFAULT_CIDR, can_route  # noqa: E402
+from gpuobj_dev.testing.cluster import ClusterHandle  # noqa: E402
+
+NAMESPACE = "gpuobj-scale"
+KEYS = (
+    "pods",
+    "objects",
+    "claims",
+    "pods_running_s",
+    "created_per_s",
+    "restart_synced_s",
+    "restart_audited_s",
+    "operator_rss_mib",
+    "idle_operator_writes_per_min",
+    "liveness_requests_per_pod_s",
+    "dead_holder_detect_p99_s",
+    "storm_pods",
+    "storm_clean_s",
+    "storm_mutating_p99_s",
+    "churn_per_s",
+    "churn_mutating_p99_s",
+    "writes_per_recorded_lifecycle",
+    "wrong_frees",
+    "leaked_bytes_end",
+)
+# key -> (target, "le" when the figure must be at most the target, "ge" at least); the issue's targets.
+TARGETS = {
+    "pods_running_s": (60.0, "le"),
+    "restart_synced_s": (30.0, "le"),
+    "restart_audited_s": (60.0, "le"),
+    "operator_rss_mib": (1024.0, "le"),
+    "idle_operator_writes_per_min": (0.0, "le"),
+    "liveness_requests_per_pod_s": (0.05, "le"),
+    "dead_holder_detect_p99_s": (5.0, "le"),
+    "storm_clean_s": (60.0, "le"),
+    "storm_mutating_p99_s": (1.0, "le"),
+    "churn_per_s": (200.0, "ge"),
+    "churn_mutating_p99_s": (1.0, "le"),
+    "writes_per_recorded_lifecycle": (3.0, "le"),
+    "wrong_frees": (0.0, "le"),
+    "leaked_bytes_end": (0.0, "le"),
+}
+
+
+def load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def log(message: str) -> None:
+    print(f"# [{time.strftime('%H:%M:%S')} load {load()}] {message}", flush=True)
+
+
+class Phases:
+    """CPU seconds of each process per phase: where the time of a missed target went."""
+
+    def __init__(self, h: ScaleHarness) -> None:
+        self.h = h
+        self.rows: list[tuple[str, float, dict[str, float], str]] = []
+
+    async def run(self, name: str, coro):
+        cpu0, t0 = self.h.cpu(), time.monotonic()
+        log(f"{name} ...")
+        try:
+            return await coro
+        finally:
+            used = self.h.cpu_used(cpu0, self.h.cpu())
+            self.rows.append((name, time.monotonic() - t0, used, load()))
+
+
+def met(key: str, value) -> str:
+    if key not in TARGETS:
+        return ""
+    if value is None:
+        return "MISS (none)"
+    target, how = TARGETS[key]
+    return "met" if (value <= target if how == "le" else value >= target) else "MISS"
+
+
+def fmt(value) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def print_table(figures: dict, phases: Phases, extra: dict) -> None:
+    print()
+    print(f"gpuobj at scale: {os.cpu_count()} CPUs, load {load()} (1/5/15 min)")
+    print(f"{'figure':>30} | {'measured':>10} | {'target':>8} | {'ratio':>6} | verdict")
+    print("-" * 78)
+    for key in KEYS:
+        value = figures.get(key)
+        target = TARGETS.get(key)
+        ratio = ""
+        if target and value is not None and target[0]:
+            ratio = f"{value / target[0]:.2f}"
+        print(f"{key:>30} | {fmt(value):>10} | {fmt(target[0]) if target else '':>8} | {ratio:>6} | {met(key, value)}")
+    print()
+    for name, value in extra.items():
+        print(f"{name:>30} | {value}")
+    print()
+    names = sorted({k for _, _, used, _ in phases.rows for k in used})
+    print("CPU seconds per phase (the breakdown: who spent the machine)")
+    print(f"{'phase':>14} | {'wall s':>7} | " + " | ".join(f"{n[:14]:>14}" for n in names) + " | load")
+    for name, wall, used, ld in phases.rows:
+        print(f"{name:>14} | {wall:7.1f} | " + " | ".join(f"{used.get(n, 0.0):14.1f}" for n in names) + f" | {ld}")
+
+
+async def run(args: argparse.Namespace, handle: ClusterHandle, folder: Path, figures: dict) -> None:
+    """Every scenario in order; `figures` fills as they finish (a failure keeps what was measured)."""
+    operator_args = ["--audit-interval", str(args.audit_interval), "--leak-grace", str(args.leak_grace)]
+    extra: dict = {}
+    async with ScaleHarness(
+        handle, NAMESPACE, folder, nodes=args.nodes, cidrs=(args.cidr,), operator_args=operator_args, log=log
+    ) as h:
+        phases = Phases(h)
+        try:
+            r = await phases.run("ramp", scenarios.ramp(h, args.pods, args.objects_per_pod, log))
+            ramp_cpu = phases.rows[-1][2]
+            figures.update(
+                pods=r.pods,
+                objects=r.objects,
+                claims=r.claims,
+                pods_running_s=r.pods_running_s,
+                created_per_s=r.created_per_s,
+            )
+            extra["ramp API writes per object"] = f"{r.api_writes_per_object:.2f} (every client): " + ", ".join(
+                f"{k} {v:.2f}" for k, v in list(r.writes_by_resource.items())[:8]
+            )
+            extra["ramp operator CPU per object"] = f"{1e3 * ramp_cpu.get('operator', 0) / max(1, r.objects):.2f} ms"
+            extra["ramp API server CPU per object"] = (
+                f"{1e3 * ramp_cpu.get('kube-apiserver', 0) / max(1, r.objects):.2f} ms"
+            )
+            extra["ramp etcd CPU per object"] = f"{1e3 * ramp_cpu.get('etcd', 0) / max(1, r.objects):.2f} ms"
+            rs = await phases.run("cold restart", scenarios.cold_restart(h, log))
+            figures.update(restart_synced_s=rs.synced_s, restart_audited_s=rs.audited_s, operator_rss_mib=rs.rss_mib)
+            extra["restart frees (must be 0)"] = f"{rs.frees} seen by the fleet, {rs.operator_frees:.0f} counted"
+            idle = await phases.run("idle", scenarios.idle(h, args.idle_seconds, log))
+            figures.update(
+                idle_operator_writes_per_min=idle.operator_writes_per_min,
+                liveness_requests_per_pod_s=idle.liveness_per_pod_s,
+            )
+            extra["idle lease writes per min"] = f"{idle.lease_writes_per_min:.1f} (operator lease and kwok's nodes)"
+            extra["idle all API writes per min"] = f"{idle.all_writes_per_min:.1f}: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in list(idle.writes_by_resource.items())[:8]
+            )
+            extra["idle operator CPU"] = f"{100 * idle.operator_cpu_s / idle.seconds:.1f}% of a core"
+            dead_count = max(2, round(len(h.fleet.alive()) * args.dead_fraction))  # type: ignore[union-attr]
+            d = await phases.run("dead holders", scenarios.dead_holders(h, dead_count, log))
+            figures["dead_holder_detect_p99_s"] = d.detect_p99_s
+            extra["dead holders"] = (
+                f"{d.pods} processes, {d.claims} claims, median {fmt(d.detect_median_s)} s, "
+                f"early deaths p99 {fmt(d.early_p99_s)} s, {d.undetected} not freed in time"
+            )
+            s = await phases.run("storm", scenarios.storm(h, 0.10, log))
+            figures.update(storm_pods=s.pods, storm_clean_s=s.clean_s, storm_mutating_p99_s=s.mutating_p99_s)
+            extra["storm"] = f"{s.referenced} objects referenced by the deleted pods, {s.unfreed} not freed in time"
+            c = await phases.run("churn", scenarios.churn(h, args.churn_rates, args.churn_seconds, 0.5, log))
+            best = c.best()
+            figures.update(
+                churn_per_s=best.achieved_per_s if best else None,
+                churn_mutating_p99_s=best.mutating_p99_s if best else None,
+                writes_per_recorded_lifecycle=best.writes_per_lifecycle
+                if best
+                else (c.steps[0].writes_per_lifecycle if c.steps else None),
+            )
+            for step in c.steps:
+                extra[f"churn at {step.target_per_s:g}/s"] = (
+                    f"achieved {step.achieved_per_s:.0f}/s, p99 {fmt(step.mutating_p99_s)} s, "
+                    f"{step.writes_per_lifecycle:.2f} writes each, {step.unfreed} unfreed; per lifecycle: "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in list(step.writes_by_resource.items())[:8])
+                )
+            audits = await phases.run("audit", scenarios.audit_at_size(h, args.audit_sizes, args.audit_timeout, log))
+            for a in audits:
+                extra[f"audit at {a.objects} objects"] = f"{a.reclaimed}/{a.objects} orphans reclaimed" + (
+                    f" in {a.seconds:.1f}s" if a.seconds is not None else " (not all in time)"
+                )
+            leaked = await phases.run("end", scenarios.settle_leaks(h, args.settle_seconds))
+            figures.update(wrong_frees=h.fleet.wrong_frees, leaked_bytes_end=leaked)  # type: ignore[union-attr]
+            extra["wrong-freed bytes"] = str(h.fleet.wrong_free_bytes)  # type: ignore[union-attr]
+        finally:
+            print_table(figures, phases, extra)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pods", type=int, default=1000)
+    p.add_argument("--nodes", type=int, default=20)
+    p.add_argument("--objects-per-pod", type=int, default=100)
+    p.add_argument("--idle-seconds", type=float, default=300.0)
+    p.add_argument("--dead-fraction", type=float, default=0.02, help="share of pods whose process restarts")
+    p.add_argument("--churn-rates", type=float, nargs="+", default=[25, 50, 100, 200, 400])
+    p.add_argument("--churn-seconds", type=float, default=10.0, help="length of each churn step")
+    p.add_argument("--audit-sizes", type=int, nargs="+", default=[10, 1000, 10000])
+    p.add_argument("--audit-timeout", type=float, default=180.0)
+    p.add_argument("--audit-interval", type=float, default=10.0, help="the operator's --audit-interval")
+    p.add_argument("--leak-grace", type=float, default=30.0, help="the operator's --leak-grace")
+    p.add_argument("--settle-seconds", type=float, default=60.0, help="longest wait for leaks to clear at the end")
+    p.add_argument("--cidr", default=DEFAULT_CIDR, help="kwok's pod CIDR, made local on this machine")
+    p.add_argument("--json", help="write every figure here")
+    args = p.parse_args(argv)
+    if why := can_route():
+        print(f"bench/scale.py: {why}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    folder = Path(tempfile.mkdtemp(prefix="gpuobj-scale-"))
+    figures: dict = {}
+    cluster = DevCluster(folder / "cluster", tie_to_parent=True, log=log)
+    try:
+        handle = ClusterHandle(cluster, cluster.up())
+        handle.apply_crds()
+        asyncio.run(run(args, handle, folder, figures))
+    except KeyboardInterrupt:
+        log("interrupted: tearing everything down")
+        return 130
+    finally:
+        if args.json:
+            Path(args.json).write_text(json.dumps({key: figures.get(key) for key in KEYS}, indent=2))
+            log(f"figures written to {args.json}")
+        cluster.down(quiet=True)
+        log(f"control plane down; kwok's log is under {folder}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

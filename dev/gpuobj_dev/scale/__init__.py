@@ -1,0 +1,1 @@
+"""Cluster-scale harness: kwok's fake nodes and pods, and a fleet of real agents at their pod IPs (docs/scale.md)."""

@@ -1,0 +1,109 @@
+"""The API server's own figures, scraped from its /metrics: mutating latency p99 and request counts.
+
+Why the API server's: SIG-scalability's SLO is stated on `apiserver_request_duration_seconds`
+(mutating calls, p99 <= 1 s), and `apiserver_request_total` counts every client's requests, the
+operator's, the fleet's and kwok's alike. Scraping is measurement, not workload: it uses the admin
+client. Only the two families are parsed (the full text is several MB).
+"""
+
+from __future__ import annotations
+
+import re
+import ssl
+import urllib.request
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from gpuobj_dev.testing.cluster import ClusterHandle
+
+MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE", "APPLY"})
+_SAMPLE = re.compile(r"^(apiserver_request_duration_seconds_bucket|apiserver_request_total)\{([^}]*)\} (\S+)$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass
+class ApiSnapshot:
+    """Cumulative counts at one instant; subtract two to get a window."""
+
+    buckets: dict[float, float] = field(default_factory=dict)  # mutating requests with latency <= le
+    requests: dict[tuple[str, str, str], float] = field(default_factory=dict)  # (verb, group, resource) -> count
+
+    def minus(self, earlier: ApiSnapshot) -> ApiSnapshot:
+        return ApiSnapshot(
+            {le: n - earlier.buckets.get(le, 0.0) for le, n in self.buckets.items()},
+            {k: n - earlier.requests.get(k, 0.0) for k, n in self.requests.items()},
+        )
+
+    def mutating_p99(self) -> float | None:
+        return quantile(self.buckets, 0.99)
+
+    def writes(self, *, groups: frozenset[str] | None = None, resources: frozenset[str] | None = None) -> float:
+        """Mutating requests, optionally only of these API groups or resources."""
+        total = 0.0
+        for (verb, group, resource), n in self.requests.items():
+            if verb not in MUTATING:
+                continue
+            filtered = groups is not None or resources is not None
+            if filtered and not ((groups and group in groups) or (resources and resource in resources)):
+                continue
+            total += n
+        return total
+
+    def writes_by_resource(self) -> dict[str, float]:
+        """Mutating requests by "VERB resource", largest first: which writes a figure is made of."""
+        out: dict[str, float] = {}
+        for (verb, _, resource), n in self.requests.items():
+            if verb in MUTATING and n > 0:
+                out[f"{verb} {resource}"] = out.get(f"{verb} {resource}", 0.0) + n
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def reads(self) -> float:
+        return sum(n for (verb, _, _), n in self.requests.items() if verb in ("GET", "LIST"))
+
+
+def quantile(buckets: dict[float, float], q: float) -> float | None:
+    """Prometheus' histogram_quantile over cumulative buckets (linear within a bucket)."""
+    edges = sorted(buckets)
+    if not edges:
+        return None
+    total = buckets[edges[-1]]
+    if total <= 0:
+        return None
+    rank = q * total
+    lower_edge, lower_count = 0.0, 0.0
+    for edge in edges:
+        count = buckets[edge]
+        if count >= rank:
+            if edge == float("inf"):
+                return lower_edge
+            width = count - lower_count
+            return lower_edge + (edge - lower_edge) * ((rank - lower_count) / width if width else 1.0)
+        lower_edge, lower_count = edge, count
+    return edges[-1]
+
+
+def parse(text: str) -> ApiSnapshot:
+    buckets: dict[float, float] = defaultdict(float)
+    requests: dict[tuple[str, str, str], float] = defaultdict(float)
+    for line in text.splitlines():
+        if not line.startswith("apiserver_request_"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        labels = dict(_LABEL.findall(m.group(2)))
+        value = float(m.group(3))
+        verb = labels.get("verb", "")
+        if m.group(1) == "apiserver_request_total":
+            requests[(verb, labels.get("group", ""), labels.get("resource", ""))] += value
+        elif verb in MUTATING:
+            buckets[float(labels["le"])] += value
+    return ApiSnapshot(dict(buckets), dict(requests))
+
+
+def scrape(handle: ClusterHandle, timeout: float = 30.0) -> ApiSnapshot:
+    pki = handle.cluster.pki
+    ctx = ssl.create_default_context(cafile=str(pki.ca.cert))
+    ctx.load_cert_chain(str(pki.root / "admin.crt"), str(pki.root / "admin.key"))
+    with urllib.request.urlopen(handle.state.server + "/metrics", context=ctx, timeout=timeout) as resp:
+        return parse(resp.read().decode())

@@ -1,0 +1,422 @@
+"""The scale scenarios of one run, each measured on the same cluster: ramp, cold restart, idle, dead
+holders, storm, recorded churn, audit at size, and the final tally (docs/scale.md).
+
+Why functions over the harness: the benchmark runs them all at full size and prints their figures;
+the e2e test runs the same code small and asserts what each must do (nothing freed by a restart,
+everything a storm should free freed and nothing else, liveness within its budget). Every wait is
+bounded and says what it waited for when it runs out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gpuobj_dev.scale import apimetrics
+from gpuobj_dev.scale.fleet import OBJECT_BYTES, FleetPod, Key
+from gpuobj_dev.scale.harness import ScaleHarness, rss_mib
+
+Progress = Callable[[str], None]
+OPERATOR_GROUPS = frozenset({"gpuobj.io"})
+OPERATOR_RESOURCES = frozenset({"events", "pods"})
+
+
+def p99(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+async def scrape(h: ScaleHarness) -> apimetrics.ApiSnapshot:
+    return await asyncio.to_thread(apimetrics.scrape, h.handle)
+
+
+async def wait_freed(h: ScaleHarness, keys: list[Key], timeout: float, what: str, progress: Progress | None = None):
+    """Until none of `keys` is held by a live agent any more; returns the keys still held at the deadline."""
+    assert h.fleet is not None
+    deadline = time.monotonic() + timeout
+    last = 0.0
+    while True:
+        left = h.fleet.unfreed(keys)
+        if not left:
+            return []
+        now = time.monotonic()
+        if now > deadline:
+            return left
+        if progress and now - last > 10:
+            progress(f"{what}: {len(keys) - len(left)}/{len(keys)} freed")
+            last = now
+        await asyncio.sleep(0.2)
+
+
+# ---------------------------------------------------------------- ramp
+
+
+@dataclass
+class Ramp:
+    pods: int
+    objects: int
+    claims: int
+    pods_running_s: float
+    created_per_s: float
+    api_writes_per_object: float
+    writes_by_resource: dict[str, float] = field(default_factory=dict)  # per object
+
+
+async def ramp(h: ScaleHarness, pods: int, objects_per_pod: int, progress: Progress) -> Ramp:
+    """`pods` pods on the kwok nodes, each putting `objects_per_pod` objects handed off to the next pod."""
+    fleet = h.fleet
+    assert fleet is not None
+    t0 = time.monotonic()
+    made = await fleet.create_pods(pods)
+    await fleet.wait_running(
+        made, timeout=max(120.0, pods * 0.5), progress=lambda n, of: progress(f"pods Running {n}/{of}")
+    )
+    running_s = time.monotonic() - t0
+    progress(f"{pods} pods Running with pod IPs in {running_s:.1f}s; starting their agents")
+    await fleet.start_agents(made, progress=lambda n, of: progress(f"agents up {n}/{of}") if n % 100 == 0 else None)
+    before = await scrape(h)
+    t1 = time.monotonic()
+    done = 0
+    sem = asyncio.Semaphore(64)
+
+    async def one(i: int, pod: FleetPod) -> None:
+        nonlocal done
+        holder = made[(i + 1) % len(made)]
+        async with sem:
+            for k in range(objects_per_pod):
+                await fleet.put_shared(pod, holder, f"{pod.name}-{k}")
+                done += 1
+
+    async def report() -> None:
+        while True:
+            await asyncio.sleep(15)
+            pending = sum(p.core.wb.pending_writes for p in made if p.core is not None and p.core.wb is not None)
+            progress(f"put and shared {done}/{pods * objects_per_pod}, {pending} API writes queued")
+
+    reporter = asyncio.create_task(report())
+    try:
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(made)))
+        progress("waiting for the write-behind queues to land")
+        await fleet.flush(timeout=max(600.0, pods * objects_per_pod * 0.05))
+    finally:
+        reporter.cancel()
+    elapsed = time.monotonic() - t1
+    after = await scrape(h)
+    objects = pods * objects_per_pod
+    claims = sum(len(p.claims) for p in made)
+    window = after.minus(before)
+    return Ramp(
+        pods,
+        objects,
+        claims,
+        running_s,
+        objects / elapsed,
+        window.writes() / max(1, objects),
+        {k: v / max(1, objects) for k, v in window.writes_by_resource().items()},
+    )
+
+
+# ---------------------------------------------------------------- cold restart
+
+
+@dataclass
+class Restart:
+    synced_s: float
+    audited_s: float | None
+    rss_mib: float
+    frees: int
+    operator_frees: float
+
+
+async def cold_restart(h: ScaleHarness, progress: Progress, timeout: float = 600) -> Restart:
+    """SIGKILL the operator, start a fresh one: time to synced, to every agent audited; frees (must be 0)."""
+    fleet = h.fleet
+    assert fleet is not None
+    frees_before = fleet.frees
+    await h.kill_operator()
+    t0 = time.monotonic()
+    op = h.new_operator()
+    h.operator = op
+    await asyncio.to_thread(op.start)
+    await asyncio.to_thread(op.wait_for_line, r"synced:", timeout)
+    synced = time.monotonic() - t0
+    progress(f"restart: synced in {synced:.1f}s; waiting for every agent to be audited")
+    pods = len(fleet.alive())
+    audited: float | None = None
+    deadline = t0 + timeout
+    while time.monotonic() < deadline:
+        ok = await asyncio.to_thread(op.metric, "gpuobj_audit_runs_total", {"result": "ok"})
+        if ok >= pods:
+            audited = time.monotonic() - t0
+            break
+        await asyncio.sleep(0.5)
+    rss = rss_mib(op.proc.pid)  # type: ignore[union-attr]
+    operator_frees = await asyncio.to_thread(op.metric, "gpuobj_frees_total")
+    return Restart(synced, audited, rss, fleet.frees - frees_before, operator_frees)
+
+
+# ---------------------------------------------------------------- idle
+
+
+@dataclass
+class Idle:
+    seconds: float
+    operator_writes_per_min: float
+    lease_writes_per_min: float
+    all_writes_per_min: float
+    liveness_per_pod_s: float
+    info_requests: int
+    operator_cpu_s: float
+    writes_by_resource: dict[str, float] = field(default_factory=dict)  # per minute
+
+
+async def idle(h: ScaleHarness, seconds: float, progress: Progress) -> Idle:
+    """Nothing changes for `seconds`: what the operator writes, and how often it probes each agent."""
+    fleet = h.fleet
+    assert fleet is not None
+    before, info0, cpu0 = await scrape(h), fleet.info_requests, h.cpu()
+    t0 = time.monotonic()
+    while (left := seconds - (time.monotonic() - t0)) > 0:
+        await asyncio.sleep(min(30.0, left))
+        progress(f"idle {time.monotonic() - t0:.0f}/{seconds:.0f}s")
+    elapsed = time.monotonic() - t0
+    window = (await scrape(h)).minus(before)
+    info = fleet.info_requests - info0
+    used = h.cpu_used(cpu0, h.cpu())
+    minutes = elapsed / 60
+    return Idle(
+        elapsed,
+        window.writes(groups=OPERATOR_GROUPS, resources=OPERATOR_RESOURCES) / minutes,
+        window.writes(resources=frozenset({"leases"})) / minutes,
+        window.writes() / minutes,
+        info / max(1, len(fleet.alive())) / elapsed,
+        info,
+        used.get("operator", 0.0),
+        {k: v / minutes for k, v in window.writes_by_resource().items()},
+    )
+
+
+async def count_info(h: ScaleHarness, seconds: float) -> tuple[int, int]:
+    """(/v1/info requests the fleet's agents answered over `seconds`, live pods)."""
+    assert h.fleet is not None
+    n0 = h.fleet.info_requests
+    await asyncio.sleep(seconds)
+    return h.fleet.info_requests - n0, len(h.fleet.alive())
+
+
+# ---------------------------------------------------------------- dead holders
+
+
+@dataclass
+class DeadHolders:
+    pods: int
+    claims: int
+    detect_p99_s: float | None
+    detect_median_s: float | None
+    undetected: int
+    early_p99_s: float | None
+
+
+async def dead_holders(h: ScaleHarness, count: int, progress: Progress, timeout: float = 180) -> DeadHolders:
+    """Restart `count` holders' processes (new incarnation, restartCount + 1): time until what only their
+    old processes held is freed at the source. Half of them die again within their first second, holding a
+    claim made for the new process. Then their pods are deleted."""
+    fleet = h.fleet
+    assert fleet is not None
+    alive = fleet.alive()
+    step = max(1, len(alive) // max(1, count))
+    victims = alive[::step][:count]
+    victim_names = {p.name for p in victims}
+    died_at: dict[Key, float] = {}
+    for died, dropped in await asyncio.gather(*(fleet.restart(p) for p in victims)):
+        for key in dropped:
+            if key[0] not in victim_names:  # the source lives on (its own process did not restart)
+                died_at[key] = died
+    progress(f"dead holders: {len(victims)} processes restarted, {len(died_at)} claims to drop")
+    early_at: dict[Key, float] = {}
+    donors = [p for p in fleet.alive() if p.name not in victim_names]
+    early = victims[: max(1, len(victims) // 2)]
+    if donors:
+        for i, pod in enumerate(early):
+            donor = donors[i % len(donors)]
+            key = await fleet.put_shared(donor, pod, f"{donor.name}-early-{pod.name}-{pod.restarts}")
+            await fleet.flush([donor])
+            died, _ = await fleet.restart(pod)
+            early_at[key] = died
+    keys = list(died_at) + list(early_at)
+    left = await wait_freed(h, keys, timeout, "dead holders", progress)
+    latencies = [fleet.freed_at[k] - t for k, t in died_at.items() if k in fleet.freed_at and fleet.freed_at[k] >= t]
+    early_lat = [fleet.freed_at[k] - t for k, t in early_at.items() if k in fleet.freed_at and fleet.freed_at[k] >= t]
+    await fleet.delete(victims)
+    return DeadHolders(
+        len(victims),
+        len(keys),
+        p99(latencies + early_lat),
+        statistics.median(latencies) if latencies else None,
+        len(left),
+        p99(early_lat),
+    )
+
+
+# ---------------------------------------------------------------- storm
+
+
+@dataclass
+class Storm:
+    pods: int
+    referenced: int
+    clean_s: float | None
+    unfreed: int
+    mutating_p99_s: float | None
+    wrong_frees: int
+
+
+async def storm(h: ScaleHarness, fraction: float, progress: Progress, timeout: float = 300) -> Storm:
+    """Delete `fraction` of the pods at once; time until every byte they held or referenced is freed."""
+    fleet = h.fleet
+    assert fleet is not None
+    alive = fleet.alive()
+    count = max(1, round(len(alive) * fraction))
+    step = max(1, len(alive) // count)
+    victims = alive[1::step][:count]
+    names_ = {p.name for p in victims}
+    wrong0 = fleet.wrong_frees
+    before = await scrape(h)
+    t0 = time.monotonic()
+    _, dropped = await fleet.delete(victims)
+    keys = [k for k in dropped if k[0] not in names_]
+    left = await wait_freed(h, keys, timeout, "storm", progress)
+    clean = None if left else time.monotonic() - t0
+    window = (await scrape(h)).minus(before)
+    return Storm(len(victims), len(keys), clean, len(left), window.mutating_p99(), fleet.wrong_frees - wrong0)
+
+
+# ---------------------------------------------------------------- recorded churn
+
+
+@dataclass
+class ChurnStep:
+    target_per_s: float
+    achieved_per_s: float
+    lifecycles: int
+    mutating_p99_s: float | None
+    writes_per_lifecycle: float
+    unfreed: int
+    writes_by_resource: dict[str, float] = field(default_factory=dict)  # per lifecycle
+
+
+@dataclass
+class Churn:
+    steps: list[ChurnStep] = field(default_factory=list)
+
+    def best(self) -> ChurnStep | None:
+        good = [s for s in self.steps if s.mutating_p99_s is not None and s.mutating_p99_s <= 1.0 and not s.unfreed]
+        return max(good, key=lambda s: s.achieved_per_s) if good else None
+
+
+async def churn(h: ScaleHarness, rates: list[float], step_seconds: float, hold: float, progress: Progress) -> Churn:
+    """Recorded lifecycles (put, held `hold` s past the write-behind window, released) at rising rates."""
+    fleet = h.fleet
+    assert fleet is not None
+    out = Churn()
+    for rate in rates:
+        pods = fleet.alive()
+        keys: list[Key] = []
+        tasks: set[asyncio.Task] = set()
+        before = await scrape(h)
+
+        async def lifecycle(pod: FleetPod, keys: list[Key] = keys) -> None:
+            ref = await fleet.put(pod)
+            keys.append((pod.name, ref.address.object_id))
+            await asyncio.sleep(hold)
+            await fleet.release_owner(pod, ref.address.object_id)
+
+        t0 = time.monotonic()
+        n = int(rate * step_seconds)
+        for i in range(n):
+            due = t0 + i / rate
+            if (wait := due - time.monotonic()) > 0:
+                await asyncio.sleep(wait)
+            task = asyncio.create_task(lifecycle(pods[i % len(pods)]))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        launched = time.monotonic() - t0
+        if tasks:
+            await asyncio.wait(tasks, timeout=120)
+        await fleet.flush(pods, timeout=300)
+        left = await wait_freed(h, keys, 120, f"churn {rate:g}/s", progress)
+        window = (await scrape(h)).minus(before)
+        step = ChurnStep(
+            rate,
+            n / max(launched, 1e-9),
+            n,
+            window.mutating_p99(),
+            window.writes() / max(1, n),
+            len(left),
+            {k: v / max(1, n) for k, v in window.writes_by_resource().items()},
+        )
+        out.steps.append(step)
+        progress(
+            f"churn {rate:g}/s: achieved {step.achieved_per_s:.0f}/s, mutating p99 "
+            f"{_fmt(step.mutating_p99_s)} s, {step.writes_per_lifecycle:.2f} writes/lifecycle, {len(left)} unfreed"
+        )
+        if step.mutating_p99_s is None or step.mutating_p99_s > 1.0 or step.achieved_per_s < 0.8 * rate or left:
+            break
+    return out
+
+
+# ---------------------------------------------------------------- audit at size
+
+
+@dataclass
+class AuditSize:
+    objects: int
+    reclaimed: int
+    seconds: float | None
+
+
+async def audit_at_size(h: ScaleHarness, sizes: list[int], timeout: float, progress: Progress) -> list[AuditSize]:
+    """Agents holding `sizes` objects nothing records: the audit must read each inventory whole and
+    reclaim every orphan."""
+    fleet = h.fleet
+    assert fleet is not None
+    pods = fleet.alive()[: len(sizes)]
+    import torch
+
+    planted: list[tuple[int, list[Key]]] = []
+    t0 = time.monotonic()
+    for size, pod in zip(sizes, pods, strict=False):
+        keys = []
+        for i in range(size):
+            object_id = f"orphan-{size}-{i}"
+            await pod.agent.aput(object_id, [torch.zeros(OBJECT_BYTES, dtype=torch.uint8)])  # type: ignore[union-attr]
+            keys.append((pod.name, object_id))
+        planted.append((size, keys))
+    results = []
+    for size, keys in planted:
+        left = await wait_freed(h, keys, max(1.0, timeout - (time.monotonic() - t0)), f"audit {size}", progress)
+        done = time.monotonic() - t0
+        results.append(AuditSize(size, len(keys) - len(left), None if left else done))
+        progress(f"audit at {size} objects: {len(keys) - len(left)}/{size} reclaimed")
+    return results
+
+
+async def settle_leaks(h: ScaleHarness, timeout: float) -> int:
+    """Leaked bytes once the operator had `timeout` seconds to reclaim them (0 as soon as it is 0)."""
+    assert h.fleet is not None
+    deadline = time.monotonic() + timeout
+    while True:
+        leaked = h.fleet.leaked_bytes()
+        if not leaked or time.monotonic() > deadline:
+            return leaked
+        await asyncio.sleep(1.0)
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
