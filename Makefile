@@ -2,7 +2,7 @@
 # both set everything up on a fresh machine (shared virtualenv, control-plane binaries).
 PYTHON ?= python3
 VENV := .venv/bin/python
-TOOLS ?= etcd kubernetes helm prometheus
+TOOLS ?= etcd kubernetes helm prometheus kwok
 
 .PHONY: setup demo test test-unit lint toolchain images dev-cluster-up dev-cluster-down bench bench-scale dashboard clean
 
