@@ -25,7 +25,6 @@ from gpuobj_agent.errors import AgentError, BadRequest, Conflict, NotReady, Obje
 from gpuobj_agent.layouts import TensorLayout, parse_layouts
 from gpuobj_agent.metrics import AgentMetrics
 from gpuobj_agent.store import check_id, check_stream
-from gpuobj_agent.tickets import ReadTickets
 from gpuobj_contract import agent_api as api
 from gpuobj_contract import names
 
@@ -76,8 +75,7 @@ class Objects(Protocol):
 
     async def free_stream(self, stream: str) -> dict[str, Any]: ...
 
-    @property
-    def tickets(self) -> ReadTickets: ...
+    def read_taken_by(self, read_id: str) -> str | None: ...
 
 
 class Served(Protocol):
@@ -307,7 +305,7 @@ class Routes:
         end would have the free pull the memory from under a read that still counts as valid."""
         read_id = check_id(request.match_info["read_id"], "read id")
         caller: Caller = request[CALLER]
-        taken_by = self.store.tickets.reader_of(read_id)
+        taken_by = self.store.read_taken_by(read_id)
         if taken_by is not None and taken_by != (caller.pod or caller.subject):
             raise Forbidden(f"pod {caller.pod} may not end read {read_id}: another pod took it")
         return web.json_response(await self.store.end_read(read_id))
