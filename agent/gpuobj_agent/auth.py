@@ -222,9 +222,10 @@ class Revocations:
     passes with no call; up to `stale` seconds it passes and is reviewed again in the background (one
     review in flight per token); beyond that the request waits for a review. So a token is refused by
     the first request more than `stale` seconds (plus one review) after its pod or ServiceAccount went.
-    When reviews fail (the API server unreachable, or no right to `create tokenreviews`), a token
-    confirmed within `fail_closed_after` seconds still passes; past that the agent refuses (503):
-    it never trusts a token longer than that without news of revocations.
+    When reviews fail (the API server unreachable, or no right to `create tokenreviews`), tokens still
+    pass on their offline checks while the last review that got an answer (of any token) is less than
+    `fail_closed_after` seconds old; past that the agent refuses every token (503): it never goes longer
+    than that without news of revocations. A revoked token stays refused.
     """
 
     def __init__(
@@ -249,6 +250,8 @@ class Revocations:
         self.clock = clock
         self._reviews: dict[str, _Review] = {}
         self._session: aiohttp.ClientSession | None = None
+        self._answered = clock()  # the last review the API server answered (from the start: a grace to reach it)
+        self._failed = -float("inf")  # the last review that got no answer
         self.calls = 0
 
     async def _ask(self, token: str) -> bool:
@@ -283,7 +286,9 @@ class Revocations:
             valid = await self._ask(token)
         except (IssuerError, aiohttp.ClientError, TimeoutError, OSError) as exc:
             log.warning("cannot review a token with the API server (%s): %s", self.url, exc)
+            self._failed = self.clock()
             return
+        self._answered = self.clock()
         if valid:
             entry.valid_at = self.clock()
         else:
@@ -298,15 +303,18 @@ class Revocations:
                 # bounded like the verified cache; reviews in flight keep their entry
                 self._reviews = {t: e for t, e in self._reviews.items() if e.pending and not e.pending.done()}
             entry = self._reviews[token] = _Review()
-        age = self.clock() - entry.valid_at
-        if not entry.revoked and age >= self.refresh:
+        now = self.clock()
+        age = now - entry.valid_at
+        # While reviews fail, try again at most every `refresh` seconds and make no request wait for one.
+        reachable = now - self._failed >= self.refresh
+        if not entry.revoked and age >= self.refresh and reachable:
             if entry.pending is None or entry.pending.done():
                 entry.pending = asyncio.create_task(self._review(token, entry), name="gpuobj-token-review")
             if age >= self.stale:
                 await asyncio.shield(entry.pending)  # shielded: a cancelled request does not cancel the review
         if entry.revoked:
             raise Unauthorized("the bearer token was revoked: its pod or ServiceAccount no longer exists")
-        if self.clock() - entry.valid_at >= self.fail_closed_after:
+        if self.clock() - self._answered >= self.fail_closed_after:
             raise RevocationUnknown(
                 f"cannot learn from the API server whether this token was revoked (no review for "
                 f"{self.fail_closed_after:.0f}s); refused until it answers"

@@ -51,7 +51,7 @@ class AgentConfig:
     kubeconfig: str | None = field(default_factory=lambda: os.environ.get("KUBECONFIG") or None)
     # Revocation (auth.Revocations, docs/security.md): callers' tokens are confirmed with TokenReview at
     # most every 2 s, a request waits for a review once the last is 4 s old (a deleted pod's or
-    # ServiceAccount's token is refused within about 4 s), and with no review for this many seconds
+    # ServiceAccount's token is refused within about 4 s), and with no review answered for this many seconds
     # (the API server unreachable) the agent refuses every token. 0: no revocation checks.
     revocation_fail_closed_after: float = field(default_factory=lambda: float(os.environ.get(REVOCATION_ENV, "60")))
     # Seconds a free waits for in-flight reads of its object before answering 503.

@@ -73,8 +73,15 @@ def test_reviews_that_fail_for_longer_than_the_bound_fail_closed() -> None:
     async def go() -> None:
         r = Scripted()
         r.verdicts = [OSError("unreachable")]
+        await r.check("new")  # the API server not answering yet: offline checks, within the bound
+        r.now += 1.0
+        await r.check("new")  # reviews failing: retried at most every 2 s, nobody waits meanwhile
+        assert r.asked == 1
+        r.now += 60.0
+        r.verdicts = [OSError("unreachable")]
         with pytest.raises(RevocationUnknown):
-            await r.check("never-confirmed")  # no confirmation at all: refused
+            await r.check("new")  # 61 s without any answer: refused
+        r.now += 2.0
         r.verdicts = [True]
         await r.check("t")
         r.now += 30.0
@@ -84,6 +91,7 @@ def test_reviews_that_fail_for_longer_than_the_bound_fail_closed() -> None:
         r.verdicts = [OSError("unreachable")]
         with pytest.raises(RevocationUnknown, match="60s"):
             await r.check("t")
+        r.now += 2.0
         r.verdicts = [True]  # the API server answers again: accepted again
         await r.check("t")
         await r.close()
