@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gpuobj_agent.auth import IssuerKeys, ServiceAccountAuth
+from gpuobj_agent.auth import IssuerKeys, Revocations, ServiceAccountAuth
 from gpuobj_agent.buffers import LandingPool
 from gpuobj_agent.config import ALLOW_CMA_ENV, AgentConfig
 from gpuobj_agent.fencing import Fencer
@@ -50,6 +50,7 @@ def restrict_transports(config: AgentConfig) -> None:
 
 def build_auth(config: AgentConfig) -> ServiceAccountAuth:
     """Verify tokens against `config.issuer_url`, else against the API server of the pod's kubeconfig."""
+    revocations = None
     if config.issuer_url:
         keys = IssuerKeys(config.issuer_url)
     else:
@@ -57,7 +58,17 @@ def build_auth(config: AgentConfig) -> ServiceAccountAuth:
 
         kube = load(config.kubeconfig)
         keys = IssuerKeys(kube.server, ssl_context=kube.ssl_context, bearer=kube.bearer)
-    return ServiceAccountAuth(keys, audience=config.audience, operators=frozenset(config.operator_service_accounts))
+        if config.revocation_fail_closed_after > 0:  # the API server knows which tokens were revoked
+            revocations = Revocations(
+                kube.server,
+                audience=config.audience,
+                ssl_context=kube.ssl_context,
+                bearer=kube.bearer,
+                fail_closed_after=config.revocation_fail_closed_after,
+            )
+    return ServiceAccountAuth(
+        keys, audience=config.audience, operators=frozenset(config.operator_service_accounts), revocations=revocations
+    )
 
 
 class Agent:
@@ -95,7 +106,7 @@ class Agent:
         self.port: int | None = None
         self._stopped = False
         # Set by an embedded client: takes a receiver's release of a claim this process made for it.
-        self.handoff_sink: Callable[[str], Awaitable[bool]] | None = None
+        self.handoff_sink: Callable[[str, str], Awaitable[bool]] | None = None  # (claim, releasing pod)
 
     def _new_nixl_agent(self, name: str) -> NixlAgent:
         return NixlAgent(name, progress_thread=True, progress_delay_us=self.config.progress_delay_us)
@@ -158,6 +169,7 @@ class Agent:
         await store.stop_pump()
         await store.release_all()
         await self.fencer.close()
+        await self.tokens.close()
         self._transfers.shutdown(wait=True)  # no read is running when the reader agent goes
         if self.pool is not None:
             self.pool.close()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import ssl
 import time
 from collections.abc import Callable
@@ -197,15 +198,158 @@ class IssuerKeys:
             return (self.issuer, found) if found is not None and self.issuer else None  # type: ignore[return-value]
 
 
+class RevocationUnknown(AgentError):
+    """The agent could not learn for too long whether a token was revoked: it refuses (fail closed)."""
+
+    status = 503
+
+
+@dataclass
+class _Review:
+    """What TokenReview last said of one token."""
+
+    valid_at: float = -float("inf")  # monotonic time of the last review that found it valid
+    revoked: bool = False
+    pending: asyncio.Task | None = None
+
+
+class Revocations:
+    """Whether a verified token still stands: its pod and ServiceAccount still exist (TokenReview).
+
+    Why: a signature and `exp` cannot say that the token's pod or ServiceAccount was deleted; only the API
+    server knows (it refuses such a token at once: "service account token has been invalidated"). Offline
+    verification stays the fast path: a token the API server confirmed less than `refresh` seconds ago
+    passes with no call; up to `stale` seconds it passes and is reviewed again in the background (one
+    review in flight per token); beyond that the request waits for a review. So a token is refused by
+    the first request more than `stale` seconds (plus one review) after its pod or ServiceAccount went.
+    When reviews fail (the API server unreachable, or no right to `create tokenreviews`), tokens still
+    pass on their offline checks while the last review that got an answer (of any token) is less than
+    `fail_closed_after` seconds old; past that the agent refuses every token (503): it never goes longer
+    than that without news of revocations. A revoked token stays refused.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        audience: str,
+        ssl_context: ssl.SSLContext | None = None,
+        bearer: Callable[[], str | None] = lambda: None,
+        refresh: float = 2.0,
+        stale: float = 4.0,
+        fail_closed_after: float = 60.0,
+        timeout: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.url = urljoin(base_url.rstrip("/") + "/", "apis/authentication.k8s.io/v1/tokenreviews")
+        self.audience = audience
+        self.ssl_context = ssl_context
+        self.bearer = bearer
+        self.refresh, self.stale, self.fail_closed_after = refresh, stale, fail_closed_after
+        self.timeout = timeout
+        self.clock = clock
+        self._reviews: dict[str, _Review] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._answered = clock()  # the last review the API server answered (from the start: a grace to reach it)
+        self._failed = -float("inf")  # the last review that got no answer
+        self.calls = 0
+
+    async def _ask(self, token: str) -> bool:
+        """TokenReview's verdict: True if the token authenticates for our audience now, False if not."""
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+        own = self.bearer()
+        # The API server caches a token's authentication for 10 s, keyed by the token and the audiences asked
+        # for: a second audience of our own, new each time, makes it look again (its pod, its ServiceAccount,
+        # from its informers: cheap), so a deletion is seen at once, not up to 10 s later. The answer's
+        # audiences are the intersection: ours, if the token is for us.
+        once = f"{self.audience}/review-{secrets.token_hex(8)}"
+        body = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenReview",
+            "spec": {"token": token, "audiences": [self.audience, once]},
+        }
+        headers = {"Authorization": f"Bearer {own}"} if own else {}
+        self.calls += 1
+        async with self._session.post(self.url, json=body, headers=headers, ssl=self.ssl_context or True) as resp:
+            raw = await resp.content.read(MAX_JWKS_BYTES + 1)
+            if resp.status not in (200, 201):
+                raise IssuerError(f"TokenReview answered {resp.status}: {raw[:200]!r}")
+        try:
+            status = json.loads(raw).get("status") or {}
+        except (ValueError, AttributeError) as exc:
+            raise IssuerError(f"TokenReview answered something that is not a TokenReview: {exc}") from None
+        return bool(status.get("authenticated")) and self.audience in (status.get("audiences") or [])
+
+    async def _review(self, token: str, entry: _Review) -> None:
+        try:
+            valid = await self._ask(token)
+        except (IssuerError, aiohttp.ClientError, TimeoutError, OSError) as exc:
+            log.warning("cannot review a token with the API server (%s): %s", self.url, exc)
+            self._failed = self.clock()
+            return
+        self._answered = self.clock()
+        if valid:
+            entry.valid_at = self.clock()
+        else:
+            entry.revoked = True
+            log.info("a caller's token was revoked (its pod or ServiceAccount no longer exists)")
+
+    async def check(self, token: str) -> None:
+        """Return if the token stands; Unauthorized if it was revoked; RevocationUnknown if no news for too long."""
+        entry = self._reviews.get(token)
+        if entry is None:
+            if len(self._reviews) >= VERIFIED_CACHE:
+                # bounded like the verified cache; reviews in flight keep their entry
+                self._reviews = {t: e for t, e in self._reviews.items() if e.pending and not e.pending.done()}
+            entry = self._reviews[token] = _Review()
+        now = self.clock()
+        age = now - entry.valid_at
+        # While reviews fail, try again at most every `refresh` seconds and make no request wait for one.
+        reachable = now - self._failed >= self.refresh
+        if not entry.revoked and age >= self.refresh and reachable:
+            if entry.pending is None or entry.pending.done():
+                entry.pending = asyncio.create_task(self._review(token, entry), name="gpuobj-token-review")
+            if age >= self.stale:
+                await asyncio.shield(entry.pending)  # shielded: a cancelled request does not cancel the review
+        if entry.revoked:
+            raise Unauthorized("the bearer token was revoked: its pod or ServiceAccount no longer exists")
+        if self.clock() - self._answered >= self.fail_closed_after:
+            raise RevocationUnknown(
+                f"cannot learn from the API server whether this token was revoked (no review for "
+                f"{self.fail_closed_after:.0f}s); refused until it answers"
+            )
+
+    def forget(self, token: str) -> None:
+        self._reviews.pop(token, None)
+
+    async def close(self) -> None:
+        for entry in self._reviews.values():
+            if entry.pending is not None and not entry.pending.done():
+                entry.pending.cancel()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
 class ServiceAccountAuth:
     """Verifies callers' projected tokens and answers who may do what."""
 
-    def __init__(self, keys: IssuerKeys, *, audience: str, operators: frozenset[str]) -> None:
+    def __init__(
+        self,
+        keys: IssuerKeys,
+        *,
+        audience: str,
+        operators: frozenset[str],
+        revocations: Revocations | None = None,
+    ) -> None:
         if not operators:
             raise ValueError("name the operator's ServiceAccount (--operator-serviceaccount namespace/name)")
         self.keys = keys
         self.audience = audience
         self.operators = frozenset(service_account_subject(s) for s in operators)
+        # None: tokens are checked offline only (no API server to ask: a test issuer, or a local agent).
+        self.revocations = revocations
         # Verified tokens, until they expire: the same token comes back on every call of one caller,
         # and a signature check (tens of microseconds) need not be repeated on the ticket path.
         self._verified: dict[str, tuple[Caller, float]] = {}
@@ -227,11 +371,20 @@ class ServiceAccountAuth:
     async def identify(self, authorization: str | None) -> Caller:
         """The verified caller, or Unauthorized saying why (never anything else)."""
         token = self._bearer(authorization)
+        caller = await self._verify(token)
+        if self.revocations is not None:
+            await self.revocations.check(token)
+        return caller
+
+    async def _verify(self, token: str) -> Caller:
+        """Signature, issuer, audience and expiry, offline; verified tokens cached until they expire."""
         hit = self._verified.get(token)
         if hit is not None:
             if time.time() < hit[1]:
                 return hit[0]
             del self._verified[token]
+            if self.revocations is not None:
+                self.revocations.forget(token)
         try:
             header = jwt.get_unverified_header(token)
         except jwt.PyJWTError:
@@ -264,6 +417,10 @@ class ServiceAccountAuth:
             self._verified.clear()  # bounded: a flood of distinct valid tokens costs verifications, not memory
         self._verified[token] = (caller, float(claims["exp"]))
         return caller
+
+    async def close(self) -> None:
+        if self.revocations is not None:
+            await self.revocations.close()
 
     async def operator(self, authorization: str | None) -> Caller:
         caller = await self.identify(authorization)

@@ -19,6 +19,7 @@ POD_IP_ENV = "GPUOBJ_POD_IP"
 HOST_ENV = "GPUOBJ_AGENT_HOST"
 PORT_ENV = "GPUOBJ_AGENT_PORT"
 ISSUER_URL_ENV = "GPUOBJ_ISSUER_URL"
+REVOCATION_ENV = "GPUOBJ_REVOCATION_FAIL_CLOSED_SECONDS"
 OPERATOR_SA_ENV = "GPUOBJ_OPERATOR_SERVICEACCOUNT"
 ALLOW_CMA_ENV = "GPUOBJ_ALLOW_CMA"
 MAX_STORE_BYTES_ENV = "GPUOBJ_MAX_STORE_BYTES"
@@ -49,6 +50,11 @@ class AgentConfig:
     # Where the issuer keys are read: empty means the API server of `kubeconfig` (or in-cluster).
     issuer_url: str | None = field(default_factory=lambda: os.environ.get(ISSUER_URL_ENV) or None)
     kubeconfig: str | None = field(default_factory=lambda: os.environ.get("KUBECONFIG") or None)
+    # Revocation (auth.Revocations, docs/security.md): callers' tokens are confirmed with TokenReview at
+    # most every 2 s, a request waits for a review once the last is 4 s old (a deleted pod's or
+    # ServiceAccount's token is refused within about 4 s), and with no review answered for this many seconds
+    # (the API server unreachable) the agent refuses every token. 0: no revocation checks.
+    revocation_fail_closed_after: float = field(default_factory=lambda: float(os.environ.get(REVOCATION_ENV, "60")))
     # Seconds a free waits for in-flight reads of its object before answering 503.
     free_wait_timeout: float = 30.0
     # A read ticket counts as in flight for read_lease seconds plus its bytes at lease_bytes_per_second,

@@ -323,7 +323,7 @@ class AgentRuntime:
         assert fetcher is not None
         return fetcher.fetch_granted_direct(endpoint, object_id, grant, device=device, timeout=timeout)
 
-    def set_handoff_sink(self, sink: Callable[[str], Coroutine[Any, Any, bool]] | None) -> None:
+    def set_handoff_sink(self, sink: Callable[[str, str], Coroutine[Any, Any, bool]] | None) -> None:
         """Route receivers' releases of hand-off claims to `sink` (a coroutine function on any loop).
 
         The agent awaits it from its own loop; a sink living on another loop is run there."""

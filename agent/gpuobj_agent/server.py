@@ -75,6 +75,8 @@ class Objects(Protocol):
 
     async def free_stream(self, stream: str) -> dict[str, Any]: ...
 
+    def read_taken_by(self, read_id: str) -> str | None: ...
+
 
 class Served(Protocol):
     """What the control server needs of the agent it serves (agent.Agent is one); nothing else of it."""
@@ -95,7 +97,7 @@ class Served(Protocol):
     def store(self) -> Objects: ...
 
     @property
-    def handoff_sink(self) -> Callable[[str], Awaitable[bool]] | None: ...
+    def handoff_sink(self) -> Callable[[str, str], Awaitable[bool]] | None: ...  # (claim, releasing pod)
 
     def info(self) -> dict[str, Any]: ...
 
@@ -115,6 +117,22 @@ def _error(status: int, message: str, **headers: str) -> web.Response:
     return web.json_response(api.ErrorAnswer(message).to_json(), status=status, headers=headers or None)
 
 
+def _check_meant_for_this_pod(agent: Served, role: str, expect: str | None) -> None:
+    """The operator's token opens the control routes of every agent, so each of its requests must name the
+    pod it means (`Gpuobj-Pod-UID`): a request replayed at another agent, or sent to an address that now
+    belongs to another pod, is refused before its token is even looked at. A reader may name it too.
+
+    The answer never says which pod this agent serves: a replayer learns nothing to put in the header.
+    """
+    if expect is None:
+        if role == OPERATOR and agent.config.pod_uid:  # an agent outside Kubernetes serves no pod to name
+            raise Conflict(f"name the pod this request is meant for ({names.HEADER_POD_UID}); refused")
+        return
+    if not agent.config.pod_uid or expect != agent.config.pod_uid:
+        # The caller means another pod (its address was reused, a pod lied about it, or a replay).
+        raise Conflict(f"this agent does not serve pod uid {expect}; refused")
+
+
 @web.middleware
 async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Check the caller on /v1/, and turn every failure into a JSON answer; only our bugs are a 500.
@@ -128,13 +146,10 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
             route = request.match_info.route
             method = "GET" if request.method == "HEAD" else request.method
             role = request.app[ROLES_KEY].get((method, route.resource.canonical if route.resource else ""), OPERATOR)
+            _check_meant_for_this_pod(agent, role, request.headers.get(names.HEADER_POD_UID))
             header = request.headers.get("Authorization")
             auth = agent.tokens
             request[CALLER] = await (auth.reader(header) if role == READER else auth.operator(header))
-            expect = request.headers.get(names.HEADER_POD_UID)
-            if role == OPERATOR and expect is not None and (not agent.config.pod_uid or expect != agent.config.pod_uid):
-                # The operator means another pod (its address was reused, or a pod lied about it).
-                raise Conflict(f"this agent serves pod uid {agent.config.pod_uid or '(none)'}, not {expect}")
         return await handler(request)
     except AgentError as exc:
         if exc.status >= 500 and exc.status != 503:
@@ -311,7 +326,13 @@ class Routes:
             )
 
     async def end_read(self, request: web.Request) -> web.Response:
+        """Only the pod that took a ticket ends it: an end lets a waiting free proceed, so another pod's
+        end would have the free pull the memory from under a read that still counts as valid."""
         read_id = check_id(request.match_info["read_id"], "read id")
+        caller: Caller = request[CALLER]
+        taken_by = self.store.read_taken_by(read_id)
+        if taken_by is not None and taken_by != (caller.pod or caller.subject):
+            raise Forbidden(f"pod {caller.pod} may not end read {read_id}: another pod took it")
         return web.json_response(await self.store.end_read(read_id))
 
     async def free(self, request: web.Request) -> web.Response:
@@ -333,7 +354,9 @@ class Routes:
             raise Forbidden(f"{caller.subject} may not release hand-offs of namespace {self.agent.config.namespace}")
         await _body(request, set())
         sink = self.agent.handoff_sink
-        if sink is None or not await sink(claim):
+        # Bound to the holder: the sink releases the claim only for the pod it was made for (any other pod
+        # gets the same 404 as for an unknown claim, so a claim's name is no capability).
+        if sink is None or caller.pod_name is None or not await sink(claim, caller.pod_name):
             raise ObjectNotFound(claim)
         return web.json_response(api.HandoffReleaseAnswer().to_json())
 

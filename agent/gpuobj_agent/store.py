@@ -464,6 +464,10 @@ class ObjectStore:
             incarnation=self.incarnation,
         ).to_json()
 
+    def read_taken_by(self, read_id: str) -> str | None:
+        """Who took a live read ticket (the server lets only that pod end it)."""
+        return self.tickets.reader_of(read_id)
+
     async def end_read(self, read_id: str) -> dict[str, Any]:
         expired = self._expire()
         result = self._end(read_id)

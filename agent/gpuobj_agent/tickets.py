@@ -99,6 +99,11 @@ class ReadTickets:
             heapq.heapify(self._heap)
         return out
 
+    def reader_of(self, read_id: str) -> str | None:
+        """Who took a live ticket (None: unknown, ended or expired)."""
+        ticket = self._live.get(read_id)
+        return None if ticket is None else ticket.reader
+
     def was_expired(self, read_id: str) -> bool:
         return self._done.get(read_id) is False
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 import weakref
@@ -63,10 +64,26 @@ def live_address(ref: ObjectRef | ObjectAddress, action: str) -> ObjectAddress:
             raise errors.ReleasedHandleError(
                 f"cannot {action} {describe_ref(ref)}: this handle was released; borrow or adopt a new reference"
             )
+        if ref.expired:
+            ref.release()  # the operator drops the claim at its ttl anyway; the handle ends with it
+            raise errors.LeaseExpiredError(
+                f"cannot {action} {describe_ref(ref)}: its claim's ttl passed (the operator drops it); "
+                "borrow or adopt a new reference"
+            )
         return ref.address
     if isinstance(ref, ObjectAddress):
         return ref
     raise TypeError(f"cannot {action} {type(ref).__name__}: expected an ObjectRef or ObjectAddress")
+
+
+def _expiry(ttl: int | None) -> float | None:
+    """When a claim made now with `ttl` ends for its handle (wall clock: it travels to another pod).
+
+    The operator drops it at its creationTimestamp plus ttl, and that timestamp is whole seconds, no
+    earlier than now truncated: so the handle ends no later than the operator drops the claim."""
+    if not isinstance(ttl, int) or ttl < 1:
+        return None  # a bad ttl: _claim_body says why
+    return math.floor(time.time()) + ttl
 
 
 def tensor_list(tensors: Any, *, what: str) -> list:
@@ -322,7 +339,7 @@ class ClientCore:
         claim = ref.claim_name
         self.releases.begin_read(claim)
         try:
-            if ref.alive:
+            if ref.alive and not ref.expired:  # an expired lease reads nothing: `fetch` says why
                 address = ref.address
                 with contextlib.suppress(Exception):  # stale grant or error: the full path says why
                     tensors = self.agent.fetch_granted_direct(
@@ -454,7 +471,15 @@ class ClientCore:
             name = body["metadata"]["name"]
             record = await self.wb.create_claim(address.namespace, address.name, name, body)
             return self.track(
-                ObjectRef(address, "claim", self.releases.put, claim_name=name, claim_uid="", record=record)
+                ObjectRef(
+                    address,
+                    "claim",
+                    self.releases.put,
+                    claim_name=name,
+                    claim_uid="",
+                    record=record,
+                    expires_at=_expiry(ttl),
+                )
             )
         created = await self._create_claim(address, self.pod_name, self.pod_uid, self.incarnation, ttl)
         return self.track(
@@ -464,6 +489,7 @@ class ClientCore:
                 self.releases.put,
                 claim_name=created["metadata"]["name"],
                 claim_uid=created["metadata"]["uid"],
+                expires_at=_expiry(ttl),
             )
         )
 
@@ -478,6 +504,7 @@ class ClientCore:
         read_once: bool = False,
     ) -> SharedRef:
         address = live_address(ref, "share")
+        expires = _expiry(ttl)  # from now: the claim is made no earlier, so the operator drops it no earlier
         if self.wb is not None:
             # No API read on the caller's path: an unknown receiver uid is read by the queue, just
             # before the claim's create (so a share during an API outage is queued like a put).
@@ -485,21 +512,30 @@ class ClientCore:
                 pod_uid = self._cached_pod_uid(address.namespace, pod_name)
             body = self._claim_body(address, pod_name, pod_uid or "", incarnation, ttl)
             name = body["metadata"]["name"]
-            await self.wb.create_claim(
+            record = await self.wb.create_claim(
                 address.namespace, address.name, name, body, owner_pod=None if pod_uid else pod_name
             )
+            record.holder = pod_name  # only the receiver releases it here (docs/security.md)
             grant = None
             if address.source_endpoint == self.agent.endpoint:
                 # Our own object: the receiver reads it with no request here (the claim keeps it).
                 with contextlib.suppress(Exception):
                     grant = await self.agent.agrant(address.object_id)
             return SharedRef(
-                address, name, "", pod_name, read_once=read_once, grant=grant, release_via=self.agent.endpoint
+                address,
+                name,
+                "",
+                pod_name,
+                read_once=read_once,
+                grant=grant,
+                release_via=self.agent.endpoint,
+                expires_at=expires,
             )
         if pod_uid is None:
             pod_uid = await self._pod_uid(address.namespace, pod_name)
         created = await self._create_claim(address, pod_name, pod_uid, incarnation, ttl)
-        return SharedRef(address, created["metadata"]["name"], created["metadata"]["uid"], pod_name, read_once)
+        name, uid = created["metadata"]["name"], created["metadata"]["uid"]
+        return SharedRef(address, name, uid, pod_name, read_once, expires_at=expires)
 
     def _cached_pod_uid(self, namespace: str, pod_name: str) -> str | None:
         cached = self._pod_uids.get((namespace, pod_name))
@@ -537,6 +573,7 @@ class ClientCore:
                 claim_uid=shared.claim_uid,
                 grant=shared.grant,
                 via=shared.release_via,
+                expires_at=shared.expires_at,
             )
         )
         if shared.read_once:
@@ -607,16 +644,16 @@ class ClientCore:
             log.debug("hand-off release of %s at %s: %s; deleting it in the API", claim, via, exc)
             return False
 
-    async def handoff_sink(self, claim: str) -> bool:
-        """On the agent's loop: a receiver released a claim we made for it. Handled on our loop."""
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._handoff_release(claim), self.loop))
+    async def handoff_sink(self, claim: str, pod: str) -> bool:
+        """On the agent's loop: pod `pod` released a claim we made for it. Handled on our loop."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._handoff_release(claim, pod), self.loop))
 
-    async def _handoff_release(self, claim: str) -> bool:
+    async def _handoff_release(self, claim: str, pod: str) -> bool:
         if self.wb is None:
             return False
         found = self.wb.find("claim", self.namespace, claim)
-        if found is None:
-            return False
+        if found is None or found[1].holder != pod:
+            return False  # unknown, or not the receiver's to release: the same answer
         rec = found[1]
         outcome = self.wb.release("claim", rec.namespace, claim, rec.uid)
         if outcome.free_object_id is not None:

@@ -52,6 +52,11 @@ class ReleasedHandleError(GpuObjError):
     """The handle was released: it no longer holds a reference, so it cannot be fetched, shared or borrowed."""
 
 
+class LeaseExpiredError(ReleasedHandleError):
+    """The handle's claim was made with a ttl that has passed: the operator drops the claim then, so the
+    handle no longer reads (not even bytes still in the source's memory); borrow or adopt a new one."""
+
+
 class PermissionDeniedError(GpuObjError, PermissionError):
     """The API server refused this pod's identity (401/403): its ServiceAccount lacks a role."""
 

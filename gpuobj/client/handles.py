@@ -9,6 +9,7 @@ shutdown.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,7 +50,18 @@ class ObjectRef:
     "address" (an unowned copy, e.g. unpickled: releasing does nothing).
     """
 
-    __slots__ = ("__weakref__", "_finalizer", "_record", "address", "claim_name", "claim_uid", "grant", "kind", "via")
+    __slots__ = (
+        "__weakref__",
+        "_finalizer",
+        "_record",
+        "address",
+        "claim_name",
+        "claim_uid",
+        "expires_at",
+        "grant",
+        "kind",
+        "via",
+    )
 
     def __init__(
         self,
@@ -62,8 +74,10 @@ class ObjectRef:
         record: Any = None,
         grant: dict | None = None,
         via: str | None = None,
+        expires_at: float | None = None,
     ) -> None:
         self.address = address
+        self.expires_at = expires_at  # a claim with a ttl: when (time.time()) the operator drops it
         self.kind = kind
         self.claim_name = claim_name
         self.claim_uid = claim_uid
@@ -93,6 +107,11 @@ class ObjectRef:
     def alive(self) -> bool:
         """True until released (explicitly, or when the handle was collected)."""
         return self._finalizer is not None and self._finalizer.alive
+
+    @property
+    def expired(self) -> bool:
+        """True once the claim's ttl has passed: the handle refuses to read from then on."""
+        return self.expires_at is not None and time.time() >= self.expires_at
 
     @property
     def pending(self) -> bool:
@@ -143,3 +162,4 @@ class SharedRef:
     read_once: bool = False  # the receiver's handle releases itself after its first completed fetch
     grant: dict | None = None  # read grant from the source: a fetch needs no request (see agent store.grant)
     release_via: str | None = None  # the source agent that takes this claim's release
+    expires_at: float | None = None  # the claim's ttl from its making (time.time()): the receiver's handle ends then

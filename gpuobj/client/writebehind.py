@@ -87,6 +87,7 @@ class Record:
     created: bool = False
     failed: BaseException | None = None
     landed: asyncio.Event = field(default_factory=asyncio.Event)
+    holder: str = ""  # a claim made on a receiver's behalf: the pod that may release it at the source
 
     @property
     def pending(self) -> bool:

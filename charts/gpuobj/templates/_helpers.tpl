@@ -89,7 +89,9 @@ Nothing on Secrets, CRDs or namespaces (kopf runs standalone with scanning disab
 {{- define "gpuobj.operator.rules" -}}
 - apiGroups: [gpuobj.io]
   resources: [gpuobjects, gpuobjectclaims]
-  verbs: [get, list, watch, patch, delete]
+  # free: not an API verb; admission lets whoever holds it delete objects and claims that are not their own
+  # (templates/admission-policy.yaml): the operator frees Lost objects and drops claims of gone holders.
+  verbs: [get, list, watch, patch, delete, free]
 - apiGroups: [gpuobj.io]
   resources: [gpuobjectstreams]
   verbs: [get, list, watch, patch]
@@ -122,4 +124,36 @@ Nothing on Secrets, CRDs or namespaces (kopf runs standalone with scanning disab
 - apiGroups: [""]
   resources: [pods]
   verbs: [get]
+{{- end -}}
+
+{{/*
+Admission CEL fragments (templates/admission-policy.yaml). The pod a request comes from: the API server puts
+a bound token's pod name and uid in userInfo.extra; a request without extra at all (a client certificate, an
+impersonation, a legacy token) has none, so every read of it is guarded by has() and yields ''.
+*/}}
+{{- define "gpuobj.admission.podName" -}}
+has(request.userInfo.extra) && 'authentication.kubernetes.io/pod-name' in request.userInfo.extra && size(request.userInfo.extra['authentication.kubernetes.io/pod-name']) > 0 ? request.userInfo.extra['authentication.kubernetes.io/pod-name'][0] : ''
+{{- end -}}
+
+{{- define "gpuobj.admission.podUID" -}}
+has(request.userInfo.extra) && 'authentication.kubernetes.io/pod-uid' in request.userInfo.extra && size(request.userInfo.extra['authentication.kubernetes.io/pod-uid']) > 0 ? request.userInfo.extra['authentication.kubernetes.io/pod-uid'][0] : ''
+{{- end -}}
+
+{{/* The requesting ServiceAccount lives in the namespace of the request (a pod name means a pod there). */}}
+{{- define "gpuobj.admission.inNamespace" -}}
+request.userInfo.username.startsWith('system:serviceaccount:' + request.namespace + ':')
+{{- end -}}
+
+{{/*
+Who may free anything in a namespace: whoever RBAC grants the verb `free` on the resource there (the
+operator's role; cluster-admin's `*`), and the garbage collector and namespace controller (owner and
+namespace deletions), which are named because their roles list verbs, not `*` (system:kube-controller-manager:
+the same controllers on a cluster that runs them without --use-service-account-credentials).
+*/}}
+{{- define "gpuobj.admission.controllers" -}}
+request.userInfo.username in ['system:serviceaccount:kube-system:generic-garbage-collector', 'system:serviceaccount:kube-system:namespace-controller', 'system:kube-controller-manager']
+{{- end -}}
+
+{{- define "gpuobj.admission.finalizerRemoved" -}}
+request.operation == 'UPDATE' && has(oldObject.metadata.finalizers) && 'gpuobj.io/free' in oldObject.metadata.finalizers && !(has(object.metadata.finalizers) && 'gpuobj.io/free' in object.metadata.finalizers)
 {{- end -}}

@@ -10,16 +10,33 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuobj_contract import agent_api as api
+from gpuobj_contract import names
+
+# endpoint -> the uid of the pod its agent serves (WorkloadProcess registers it): a test playing the operator
+# names the pod it means on every control route, as the operator does (agents refuse a request that does not).
+_POD_UIDS: dict[str, str] = {}
 
 
-def _get(url: str, token: str | None = None, timeout: float = 10) -> bytes:
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+def register(endpoint: str, pod_uid: str) -> None:
+    _POD_UIDS[endpoint] = pod_uid
+
+
+def meant_for(endpoint: str) -> dict[str, str]:
+    """The header that names the pod at `endpoint` (empty for an agent no test registered)."""
+    uid = _POD_UIDS.get(endpoint)
+    return {names.HEADER_POD_UID: uid} if uid else {}
+
+
+def _get(url: str, token: str | None = None, timeout: float = 10, headers: dict[str, str] | None = None) -> bytes:
+    auth = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(url, headers={**auth, **(headers or {})})
     with urllib.request.urlopen(request, timeout=timeout) as r:
         return r.read()
 
 
 def inventory(endpoint: str, token_file: Path) -> dict:
-    return json.loads(_get(f"http://{endpoint}{api.INVENTORY.path()}", token_file.read_text().strip()))
+    url = f"http://{endpoint}{api.INVENTORY.path()}"
+    return json.loads(_get(url, token_file.read_text().strip(), headers=meant_for(endpoint)))
 
 
 def metric(endpoint: str, name: str, labels: dict[str, str] | None = None) -> float:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from gpuobj_agent.layouts import TensorLayout, allocate, layout_of, torch_dtype
+from gpuobj_contract import names
 from gpuobj_dev.testing.issuer import OPERATOR, TestIssuer, default_issuer
 
 LISTENING = "gpuobj agent listening on http://"
@@ -199,6 +200,7 @@ class AgentProcess:
             auth = self.reader_token if reading else self.token
         if auth:
             headers["Authorization"] = f"Bearer {auth}"
+        headers.setdefault(names.HEADER_POD_UID, self.pod_uid)  # meant for this pod, as the operator says
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
         if data is not None:
             headers["Content-Type"] = "application/json"

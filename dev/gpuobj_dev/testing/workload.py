@@ -26,6 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from gpuobj_dev.testing import agent_http
 from gpuobj_dev.testing.processes import terminate
 
 BOOTSTRAP = r"""
@@ -135,6 +136,7 @@ class WorkloadProcess:
         )
         threading.Thread(target=self._read, daemon=True).start()
         self.expect("ready", timeout=ready_timeout)
+        agent_http.register(self.endpoint, self.env["GPUOBJ_POD_UID"])
         return self
 
     @property

@@ -196,7 +196,7 @@ def test_operator_deployment_runs_one_hardened_replica_with_the_operators_flags(
     (token_volume,) = [v for v in pod["volumes"] if "projected" in v]
     (source,) = token_volume["projected"]["sources"]
     assert source["serviceAccountToken"]["audience"] == names.AGENT_AUDIENCE
-    assert 600 <= source["serviceAccountToken"]["expirationSeconds"] <= 3600
+    assert source["serviceAccountToken"]["expirationSeconds"] == 600  # the shortest the kubelet allows
     (mount,) = [m for m in container["volumeMounts"] if m["name"] == token_volume["name"]]
     assert "subPath" not in mount
     args = container["args"]

@@ -367,8 +367,8 @@ def test_operator_service_account_has_exactly_the_rules_the_operator_uses(
     lease_rules = rules_from_manifest(yaml.safe_load(r["lease_rules"]))
     marker_rules = rules_from_manifest(yaml.safe_load(r["marker_rules"]))
     assert cluster_rules == {
-        ("gpuobjects.gpuobj.io", (), frozenset({"get", "list", "watch", "patch", "delete"})),
-        ("gpuobjectclaims.gpuobj.io", (), frozenset({"get", "list", "watch", "patch", "delete"})),
+        ("gpuobjects.gpuobj.io", (), frozenset({"get", "list", "watch", "patch", "delete", "free"})),
+        ("gpuobjectclaims.gpuobj.io", (), frozenset({"get", "list", "watch", "patch", "delete", "free"})),
         ("gpuobjectstreams.gpuobj.io", (), frozenset({"get", "list", "watch", "patch"})),
         ("gpuobjects.gpuobj.io/status", (), frozenset({"patch"})),
         ("gpuobjectclaims.gpuobj.io/status", (), frozenset({"patch"})),
@@ -397,6 +397,9 @@ def test_operator_service_account_has_exactly_the_rules_the_operator_uses(
         (("watch", "pods", "-A"), True),
         (("patch", "gpuobjects.gpuobj.io", "--subresource=status", "-n", "{workload_ns}"), True),
         (("delete", "gpuobjectclaims.gpuobj.io", "-n", "{workload_ns}"), True),
+        # free: admission lets it delete objects and claims that are not its own (docs/security.md).
+        (("free", "gpuobjects.gpuobj.io", "-n", "{workload_ns}"), True),
+        (("free", "gpuobjectclaims.gpuobj.io", "-n", "{workload_ns}"), True),
         (("create", "events", "-n", "{workload_ns}"), True),
         (("create", "leases.coordination.k8s.io", "-n", "{ns}"), True),
         (("update", "leases.coordination.k8s.io/{lease}", "-n", "{ns}"), True),
@@ -462,9 +465,11 @@ def test_workload_service_account_has_exactly_what_the_client_library_uses(
         ("gpuobjectstreams.gpuobj.io/status", (), frozenset({"patch"})),
         ("pods", (), frozenset({"get"})),
     }
-    assert _granted(gpuobj_cluster, r["workload"], r["workload_ns"], r["nobody"]) == workload_rules
+    # Plus TokenReview (cluster-scoped, so in every namespace): its agent learns revoked tokens (docs/security.md).
+    reviews = {("tokenreviews.authentication.k8s.io", (), frozenset({"create"}))}
+    assert _granted(gpuobj_cluster, r["workload"], r["workload_ns"], r["nobody"]) == workload_rules | reviews
     # Bound in its own namespace only.
-    assert _granted(gpuobj_cluster, r["workload"], r["ns"], r["nobody"]) == set()
+    assert _granted(gpuobj_cluster, r["workload"], r["ns"], r["nobody"]) == reviews
     for request in (("list", "pods"), ("delete", "pods"), ("patch", "gpuobjects.gpuobj.io"),
                     ("patch", "gpuobjects.gpuobj.io", "--subresource=status"), ("get", "secrets")):  # fmt: skip
         assert not _can(gpuobj_cluster, r["workload"], *request, "-n", r["workload_ns"]), request
@@ -477,7 +482,9 @@ def test_workload_service_account_has_exactly_what_the_client_library_uses(
         assert _can(gpuobj_cluster, r["workload"], *request, "-n", r["workload_ns"]), request
     # Nothing on claims beyond create/get/delete: a workload cannot rewrite another pod's claim.
     for request in (("patch", "gpuobjectclaims.gpuobj.io"), ("update", "gpuobjectclaims.gpuobj.io"),
-                    ("create", "serviceaccounts/token"), ("get", "serviceaccounts")):  # fmt: skip
+                    ("create", "serviceaccounts/token"), ("get", "serviceaccounts"),
+                    # free: a workload deletes only what admission finds its own (docs/security.md).
+                    ("free", "gpuobjects.gpuobj.io"), ("free", "gpuobjectclaims.gpuobj.io")):  # fmt: skip
         assert not _can(gpuobj_cluster, r["workload"], *request, "-n", r["workload_ns"]), request
 
 

@@ -29,7 +29,11 @@ def _free(endpoint: str, object_id: str, token_file) -> tuple[int, dict]:
         f"http://{endpoint}/v1/objects/{object_id}/free",
         method="POST",
         data=b"{}",
-        headers={"Authorization": f"Bearer {token_file.read_text().strip()}", "Content-Type": "application/json"},
+        headers={
+            "Authorization": f"Bearer {token_file.read_text().strip()}",
+            "Content-Type": "application/json",
+            **agent_http.meant_for(endpoint),
+        },
     )
     with urllib.request.urlopen(request, timeout=30) as r:
         return r.status, json.loads(r.read())

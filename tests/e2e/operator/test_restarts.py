@@ -20,7 +20,11 @@ def _agent_post(endpoint: str, path: str, token_file, method: str = "POST", body
         f"http://{endpoint}{path}",
         method=method,
         data=json.dumps(body or {}).encode(),
-        headers={"Authorization": f"Bearer {token_file.read_text().strip()}", "Content-Type": "application/json"},
+        headers={
+            "Authorization": f"Bearer {token_file.read_text().strip()}",
+            "Content-Type": "application/json",
+            **agent_http.meant_for(endpoint),
+        },
     )
     with urllib.request.urlopen(request, timeout=30) as r:
         return json.loads(r.read() or b"{}")

@@ -53,7 +53,11 @@ def agent_call(endpoint: str, method: str, path: str, token: str, headers: dict 
         f"http://{endpoint}{path}",
         method=method,
         data=b"{}" if method != "GET" else None,
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json", **(headers or {})},
+        headers={
+            "Authorization": f"Bearer {token}",
+            "Content-Type": "application/json",
+            **(agent_http.meant_for(endpoint) if headers is None else headers),  # headers={}: names no pod
+        },
     )
     try:
         with urllib.request.urlopen(request, timeout=30) as r:
@@ -134,6 +138,13 @@ def test_a_workload_token_cannot_act_as_the_operator_and_another_namespace_canno
                          ("POST", "/v1/streams/s/free")):  # fmt: skip
         status, answer = agent_call(endpoint, method, path, peer_token)
         assert status == 403 and "not the gpuobj operator" in answer["error"], (path, status, answer)
+    # Issue 21: the operator's token replayed at an agent without naming its pod (200 and `freed: true`
+    # before), or naming another pod: 409, before the token is looked at, and the answer names no uid.
+    operator_token = pods.token_file.read_text()
+    for headers in ({}, {names.HEADER_POD_UID: pods.uids["peer"]}):
+        for method, path in (("GET", "/v1/objects"), ("POST", f"/v1/objects/{object_id}/free")):
+            status, answer = agent_call(endpoint, method, path, operator_token, headers)
+            assert status == 409 and pods.uids["victim"] not in answer["error"], (path, headers, status, answer)
     # A pod of another namespace (its own bound token there) cannot read it.
     other = f"{namespace}-b"
     gpuobj_cluster.kubectl("create", "namespace", other)
@@ -229,4 +240,33 @@ def test_an_object_shared_with_a_namespace_is_readable_there_and_nowhere_else(
     wait_object(gpuobj_cluster, namespace, "open", lambda o: o is None)
     wait_object(gpuobj_cluster, namespace, "closed", lambda o: o is None)
     agent_http.assert_holds_nothing(pods.endpoint("src"), pods.token_file)
+    assert_api_empty(gpuobj_cluster, namespace)
+
+
+def test_a_hand_off_is_released_at_the_source_by_its_receiver_only(
+    gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods
+) -> None:
+    """Issue 21: with a claim's name, any pod of the source's namespace released a hand-off at the source
+    (`POST /v1/claims/{claim}/release`: 200) and so could free the object. The release is bound to the
+    holder: another pod gets the answer an unknown claim gets (404), and the claim stays."""
+    victim = pods.workload("victim")
+    victim.run("ref = client.put([torch.arange(64, dtype=torch.float32)], name='handed')")
+    wait_object(gpuobj_cluster, namespace, "handed", lambda o: o and (o.get("status") or {}).get("state") == "Ready")
+    reader = pods.workload("reader")
+    victim.run("shared = client.share(ref, 'reader'); client.flush(30); ref.release()")
+    claim = victim.eval("shared.claim_name")
+    reader.run(f"got = client.adopt(load_pickle({victim.eval_pickle('shared')!r}))")
+    pods.workload("peer")
+    path = f"/v1/claims/{claim}/release"
+    status, answer = agent_call(pods.endpoint("victim"), "POST", path, pods.agent_token("peer").read_text())
+    assert status == 404, (status, answer)
+    # Nothing changed: the claim is recorded and still the only reference; the receiver still reads.
+    assert kube(gpuobj_cluster, lambda k: k.get(CLAIMS, claim, namespace))["metadata"]["name"] == claim
+    assert reader.eval("float(client.fetch(got)[0].sum())") == float(sum(range(64)))
+    # The receiver's own release goes to the source (the hand-off path) and frees the object.
+    status, answer = agent_call(pods.endpoint("victim"), "POST", path, pods.agent_token("reader").read_text())
+    assert status == 200 and answer == {"released": True}, (status, answer)
+    reader.run("got.detach()")  # released at the source already
+    wait_object(gpuobj_cluster, namespace, "handed", lambda o: o is None)
+    agent_http.assert_holds_nothing(pods.endpoint("victim"), pods.token_file)
     assert_api_empty(gpuobj_cluster, namespace)

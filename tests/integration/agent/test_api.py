@@ -61,7 +61,8 @@ def _raw_auth(agent, method, path, body, header):
     import urllib.request
 
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(agent.url + path, data=data, method=method, headers={"Authorization": header})
+    headers = {"Authorization": header, "Gpuobj-Pod-UID": agent.pod_uid}  # meant for this pod: only the token is wrong
+    req = urllib.request.Request(agent.url + path, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, json.loads(resp.read())

@@ -109,10 +109,41 @@ def test_an_object_granted_to_a_namespace_is_readable_from_it_only(agent):
 
 
 def test_the_operator_naming_another_pod_is_refused(agent):
-    """Confused deputy: the operator means pod uid X; an agent serving another pod refuses (409)."""
+    """Confused deputy: the operator means pod uid X; an agent serving another pod refuses (409), and does
+    not say which pod it serves (a replayer would put that in the header)."""
     status, answer = agent.request("POST", "/v1/objects/kept/free", {}, headers={"Gpuobj-Pod-UID": "someone-else"})
-    assert status == 409 and agent.pod_uid in answer["error"]
+    assert status == 409 and agent.pod_uid not in answer["error"], answer
     assert agent.request("GET", "/v1/objects", headers={"Gpuobj-Pod-UID": agent.pod_uid})[0] == 200
+    unchanged(agent)
+
+
+def test_the_operators_token_without_the_pod_it_means_is_refused_on_every_control_route(agent):
+    """Issue 21: the operator's token, replayed at an agent with no Gpuobj-Pod-UID, got 200 on the inventory
+    and `freed: true` on a free. The header is mandatory on control routes: 409, nothing changes, and a
+    reader's request may name the pod too (a wrong one is refused the same way)."""
+    for method, path, body in (("GET", "/v1/objects", b""), ("GET", "/v1/info", b""),
+                               ("POST", "/v1/objects/kept/free", b"{}"), ("POST", "/v1/streams/s/free", b"{}"),
+                               ("PUT", "/v1/objects/new", json.dumps({"tensors": [LAYOUT]}).encode())):  # fmt: skip
+        head = f"{method} {path} HTTP/1.1\r\nAuthorization: Bearer {OPERATOR_TOKEN}\r\n".encode()
+        status, data = raw_request(agent, head, body)
+        assert status == 409 and b"Gpuobj-Pod-UID" in data and agent.pod_uid.encode() not in data, (path, data)
+    status, answer = agent.request("POST", "/v1/objects/kept/reads", {}, headers={"Gpuobj-Pod-UID": "another"})
+    assert status == 409, answer
+    unchanged(agent)
+
+
+def test_only_the_pod_that_took_a_read_ends_it(agent):
+    """Issue 21: a pod of another namespace ended another pod's read (200; the contract says 403). Ending a
+    read lets a waiting free proceed under a reader that still counts its bytes as valid."""
+    status, ticket = agent.request("POST", "/v1/objects/kept/reads", {})
+    assert status == 200, ticket
+    read = f"/v1/reads/{ticket['readId']}"
+    for stranger in (ISSUER.token("b/default", pod=("thief", "uid-thief")),
+                     ISSUER.token("default/default", pod=("peer", "uid-peer"))):  # fmt: skip
+        status, answer = agent.request("DELETE", read, auth=stranger)
+        assert status == 403 and "another pod took it" in answer["error"], answer
+    assert agent.request("GET", "/v1/objects")[1]["objects"][0]["inflightReads"] == 1
+    assert agent.request("DELETE", read)[1] == {"ended": True, "valid": True, "expired": False}
     unchanged(agent)
 
 
@@ -128,7 +159,8 @@ def test_ids_are_matched_in_full(agent):
 def test_a_non_utf8_authorization_header_is_a_401_not_a_500(agent):
     """Probe: `Authorization: Bearer \\xff\\xfe` was a 500."""
     for header in (b"Bearer \xff\xfe", b"\xc3\x28", b"Bearer " + TOKEN.encode() + b"\x80"):
-        status, _ = raw_request(agent, b"GET /v1/objects HTTP/1.1\r\nAuthorization: " + header + b"\r\n")
+        meant = f"Gpuobj-Pod-UID: {agent.pod_uid}\r\n".encode()
+        status, _ = raw_request(agent, b"GET /v1/objects HTTP/1.1\r\n" + meant + b"Authorization: " + header + b"\r\n")
         assert status == 401, header
     unchanged(agent)
 
