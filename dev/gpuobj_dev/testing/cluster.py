@@ -47,6 +47,12 @@ class ClusterHandle:
     def kubectl(self, *args: str, **kw) -> subprocess.CompletedProcess:
         return self.run_tool("kubectl", *args, **kw)
 
+    def create_namespace(self, name: str, timeout: str = "120s") -> None:
+        """A namespace whose `default` ServiceAccount exists: until kube-controller-manager makes it, the
+        API server refuses every pod there that names no ServiceAccount (slow on a loaded machine)."""
+        self.kubectl("create", "namespace", name)
+        self.kubectl("wait", "--for=create", "serviceaccount/default", "-n", name, f"--timeout={timeout}")
+
     def helm(self, *args: str, **kw) -> subprocess.CompletedProcess:
         return self.run_tool("helm", *args, **kw)
 

@@ -29,7 +29,7 @@ OPERATOR_RBAC = REPO / "deploy" / "operator" / "rbac.yaml"
 @pytest.fixture
 def namespace(gpuobj_cluster: ClusterHandle) -> Iterator[str]:
     name = f"exec-{uuid.uuid4().hex[:8]}"
-    gpuobj_cluster.kubectl("create", "namespace", name)
+    gpuobj_cluster.create_namespace(name)
     yield name
     gpuobj_cluster.kubectl("delete", "namespace", name, "--wait=false")
 

@@ -53,7 +53,7 @@ def positive(result: Result) -> bool:
 @pytest.fixture
 def namespace(gpuobj_cluster: ClusterHandle) -> Iterator[str]:
     name = f"obs-{uuid.uuid4().hex[:8]}"
-    gpuobj_cluster.kubectl("create", "namespace", name)
+    gpuobj_cluster.create_namespace(name)
     install_identities(gpuobj_cluster, name)
     yield name
     gpuobj_cluster.kubectl("delete", "namespace", name, "--wait=false")

@@ -48,7 +48,7 @@ FAST_ARGS = [
 @pytest.fixture
 def namespace(gpuobj_cluster: ClusterHandle) -> Iterator[str]:
     name = f"t-{uuid.uuid4().hex[:10]}"
-    gpuobj_cluster.kubectl("create", "namespace", name)
+    gpuobj_cluster.create_namespace(name)
     install_identities(gpuobj_cluster, name)
     yield name
     gpuobj_cluster.kubectl("delete", "namespace", name, "--wait=false")

@@ -85,7 +85,7 @@ def test_a_reader_of_another_namespace_hears_about_shared_with_and_a_granted_one
         "client.flush()"
     )
     addresses = {name: src.eval_pickle(f"{name}.address") for name in ("opened", "doomed", "closed")}
-    gpuobj_cluster.kubectl("create", "namespace", other)
+    gpuobj_cluster.create_namespace(other)
     readers = Pods(gpuobj_cluster, other, pods.token_file, tmp_path / other)
     try:
         install_identities(gpuobj_cluster, other)

@@ -147,7 +147,7 @@ def test_a_workload_token_cannot_act_as_the_operator_and_another_namespace_canno
             assert status == 409 and pods.uids["victim"] not in answer["error"], (path, headers, status, answer)
     # A pod of another namespace (its own bound token there) cannot read it.
     other = f"{namespace}-b"
-    gpuobj_cluster.kubectl("create", "namespace", other)
+    gpuobj_cluster.create_namespace(other)
     try:
         gpuobj_cluster.kubectl("create", "serviceaccount", WORKLOAD_SA, "-n", other)
 
@@ -215,7 +215,7 @@ def test_an_object_shared_with_a_namespace_is_readable_there_and_nowhere_else(
     try:
         for suffix in ("b", "c"):
             other = f"{namespace}-{suffix}"
-            gpuobj_cluster.kubectl("create", "namespace", other)
+            gpuobj_cluster.create_namespace(other)
             install_identities(gpuobj_cluster, other)
             others.append(Pods(gpuobj_cluster, other, pods.token_file, tmp_path / other))
             reader = others[-1].workload("reader")
