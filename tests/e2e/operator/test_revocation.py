@@ -32,7 +32,9 @@ REVOKED_WITHIN = 5.0  # seconds: the issue's bound
 def _read(endpoint: str, object_id: str, token: str) -> int:
     status, answer = agent_call(endpoint, "POST", f"/v1/objects/{object_id}/reads", token)
     if status == 200:
-        assert agent_call(endpoint, "DELETE", f"/v1/reads/{answer['readId']}", token)[0] == 200
+        # Ends the read early. It may be refused if the token was revoked between the two calls: the
+        # read then ends with its lease. What the caller is allowed is judged by the read above.
+        agent_call(endpoint, "DELETE", f"/v1/reads/{answer['readId']}", token)
     return status
 
 

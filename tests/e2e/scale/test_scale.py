@@ -95,8 +95,8 @@ def test_fleet_agents_verify_real_tokens(run: Run) -> None:
     api_audience, _ = request_token(run.handle, ns, OPERATOR_SA)
     workload, _ = request_token(run.handle, ns, WORKLOAD_SA, audience=names.AGENT_AUDIENCE, pod=(pod.name, pod.uid))
 
-    async def ask(token: str | None) -> int:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async def ask(token: str | None, pod_uid: str = pod.uid) -> int:
+        headers = {names.HEADER_POD_UID: pod_uid, **({"Authorization": f"Bearer {token}"} if token else {})}
         async with aiohttp.ClientSession() as s:
             url = f"http://{pod.ip}:{names.DEFAULT_AGENT_PORT}{agent_api.INVENTORY.template}"
             async with s.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=30)) as resp:
@@ -104,6 +104,7 @@ def test_fleet_agents_verify_real_tokens(run: Run) -> None:
 
     assert pod.ip.startswith(h.kwok.cidr.split(".")[0] + "."), pod.ip
     assert run(ask(operator)) == 200
+    assert run(ask(operator, pod_uid="someone-else")) == 409  # the operator's token, meant for another agent
     assert run(ask(None)) == 401
     assert run(ask(api_audience)) == 401  # a token for the API server is not one for the agent
     assert run(ask(_forged_token(ns))) == 401  # the operator's name, signed by a foreign key
