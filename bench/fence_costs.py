@@ -7,7 +7,7 @@ cycles on top of that population and reports:
 - fence latency (free -> memory released, i.e. the NIXL agent that exposed it destroyed),
   from the agent's gpuobj_agent_quarantine_seconds samples;
 - a forced rotation with the whole population migrated (free with wait_fence=True).
-Targets from docs/design ("Performance targets"): free p50 < 20 ms, p99 < 100 ms; 10,000 live objects must not make
+Targets from docs/design.md ("Performance targets"): free p50 < 20 ms, p99 < 100 ms; 10,000 live objects must not make
 each free O(N).
 
 Usage: .venv/bin/python bench/fence_costs.py [--populations 1000,10000] [--cycles 300]

@@ -7,7 +7,7 @@ Why the steps are what they are:
    404 here, before any transfer; an unreachable source is a clean connection error.
 2. Load the metadata into our reader NIXL agent (cached per source; agents the source
    reports retired, or that disconnected, are dropped) and READ on a transfer thread, so
-   the event loop (and the control server on it) never waits for data (docs/design, "out-of-order deadlock"). CPU
+   the event loop (and the control server on it) never waits for data (docs/design.md, "out-of-order deadlock"). CPU
    destinations are carved from registered, pre-faulted landing buffers (buffers.py).
    Every wait has a deadline; cancellation aborts the transfer.
 3. End the ticket: the READ carries a note NIXL delivers to the source once the data

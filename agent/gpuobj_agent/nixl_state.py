@@ -7,7 +7,7 @@ it (`poke`, `rotate_now`, `wait_retired`) and the fencer answers through it (`ro
 `retired`), so there is no back-reference from the store to the fencer.
 
 Everything here lives on the agent's event loop; only `control` runs NIXL calls, on the
-dedicated control thread, so the loop never blocks on NIXL (docs/design, "out-of-order deadlock").
+dedicated control thread, so the loop never blocks on NIXL (docs/design.md, "out-of-order deadlock").
 """
 
 from __future__ import annotations

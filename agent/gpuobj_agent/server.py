@@ -2,7 +2,7 @@
 
 Why it is thin: handlers parse and validate input, call the store, and shape JSON. They
 never wait on NIXL data (transfers happen on the reader's side, on threads), so metadata
-and tickets are always served promptly, whatever transfers are running (docs/design, "out-of-order deadlock").
+and tickets are always served promptly, whatever transfers are running (docs/design.md, "out-of-order deadlock").
 Every `/v1/` route needs the caller's projected ServiceAccount token (gpuobj_agent.auth): the
 control routes (free, inventory, materialize, stream-free, info) the operator's, the read routes a
 pod-bound token of a pod the object is readable from. Malformed input is a 400 with a message,

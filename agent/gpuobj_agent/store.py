@@ -3,7 +3,7 @@
 Why it is shaped this way:
 - Every piece of state lives on the agent's event loop and is changed by one coroutine at
   a time; NIXL calls run on a dedicated control thread (`await self.nixl.control(...)`), so
-  the loop never blocks on NIXL and the server keeps answering (docs/design, "out-of-order deadlock").
+  the loop never blocks on NIXL and the server keeps answering (docs/design.md, "out-of-order deadlock").
 - Bookkeeping is delegated to plain-Python modules: the registrations ledger (what each
   NIXL agent holds), read tickets (who may be reading), generations (which NIXL agent is
   active) and the quarantine (freed memory waiting for its fence). This class wires them

@@ -263,7 +263,7 @@ class ClientCore:
             )
         except BaseException:
             # The write failed: nothing in the API references these bytes, so free them now
-            # (docs/design, "streamed-item leak").
+            # (docs/design.md, "streamed-item leak").
             with contextlib.suppress(Exception):
                 await self.agent.afree(object_id)
             raise

@@ -1,6 +1,6 @@
 """Reference handles: what a workload holds for a GPUObject, and what it passes to another pod.
 
-Teardown without deserialization (docs/design): dropping a handle, or exiting with handles
+Teardown without deserialization (docs/design.md): dropping a handle, or exiting with handles
 alive, releases the reference without fetching or deserializing anything. A handle's finalizer only hands plain
 data (kind, namespace, name, uid) to the client's release queue; it touches no
 tensor, imports nothing and performs no I/O itself, so it is safe at interpreter
@@ -152,7 +152,7 @@ class SharedRef:
     """A reference claimed on a receiver pod's behalf, ready to send (pickle, queue, HTTP).
 
     The claim already exists and is owned by the receiver pod, so the sender may drop its
-    own reference at once: nothing is freed between hand-off and adoption (docs/design, "Borrow and hand-off").
+    own reference at once: nothing is freed between hand-off and adoption (docs/design.md, "Borrow and hand-off").
     """
 
     address: ObjectAddress

@@ -1,6 +1,6 @@
 """The release queue: references dropped on any thread, released in order on the client loop.
 
-Why a queue (docs/design, "teardown without deserialization"): a handle's finalizer may run on
+Why a queue (docs/design.md, "teardown without deserialization"): a handle's finalizer may run on
 any thread, inside the garbage collector, even during interpreter shutdown. It only puts plain
 data here and never blocks, raises or does I/O; the client loop drains the queue. A claim's release waits while a fetch
 under that claim is in flight (its bytes must outlive the read), and goes on once the read

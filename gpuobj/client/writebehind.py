@@ -7,7 +7,7 @@ writes and return; the queue sends them in the background. What must still hold:
 - Order per object. An object and the claims this process makes for it form a *family*
   whose writes go out one after another, in the order they were queued: the object is
   created before a claim on it, and a hand-off's claim is created before the sender's
-  release of the object is sent (docs/design, "Borrow and hand-off"). Families are sent concurrently
+  release of the object is sent (docs/design.md, "Borrow and hand-off"). Families are sent concurrently
   (pipelined), so one slow object never holds up the others.
 - Elision. A family's first write waits `window` seconds. If every reference in it is
   released before that (put, hand-off, fetch, release all inside the window), none of its

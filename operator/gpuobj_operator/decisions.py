@@ -4,7 +4,7 @@ Why: this is where gpuobj's rules live. The ledger (ledger.py) holds the state, 
 functions read it and return actions (actions.py), statuses come from the builders
 (statuses.py), and the reconciler executes; so every rule is unit-tested without a server.
 
-Rules (docs/design, "Lifecycle rules"):
+Rules (docs/design.md, "Lifecycle rules"):
 - An object's references are its live claims, plus the owner's own reference
   until the GPUObject is deleted.
 - Out of scope (deleted and no live claim) -> free on the source, then drop the
@@ -13,7 +13,7 @@ Rules (docs/design, "Lifecycle rules"):
   Lost; a Lost object with no claim is deleted and its finalizer dropped without
   a free (its memory went with the pod).
 - A stream item whose index is below the stream's read position was consumed:
-  a report of it that arrives late is deleted at once (docs/design, "streamed-item leak").
+  a report of it that arrives late is deleted at once (docs/design.md, "streamed-item leak").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A workload pod's process for tests and the demo: the client library with its embedded agent.
 
 Why a real process: a source pod's bytes must live in another address space than the
-reader's for NIXL to move them for real, and teardown without deserialization (docs/design: at interpreter exit)
+reader's for NIXL to move them for real, and teardown without deserialization (docs/design.md: at interpreter exit)
 can only be shown by a process that exits.
 
 The process connects a gpuobj.Client (``client``), then serves a tiny request loop on

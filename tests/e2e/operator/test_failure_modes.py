@@ -1,6 +1,6 @@
 """The failure modes from Ray's GPU-object and reference-counting history, end to end.
 
-Each test is named after the failure mode of docs/design ("Five failure modes the design
+Each test is named after the failure mode of docs/design.md ("Five failure modes the design
 prevents") that it proves absent, and would fail if it came back.
 """
 

@@ -52,7 +52,7 @@ def test_operator_killed_in_the_middle_of_a_free_frees_exactly_once_after_restar
     try:
         wait_object(gpuobj_cluster, namespace, "weights", lambda o: o is None)
         # Exactly one effective free on the agent; a repeated one is a no-op, never an error
-        # (owner-side metadata GC, docs/design).
+        # (owner-side metadata GC, docs/design.md).
         assert agent_http.metric(pods.endpoint("src"), "gpuobj_agent_frees_total", {"result": "freed"}) == 1
         agent_http.assert_holds_nothing(pods.endpoint("src"), token_file)
         assert_api_empty(gpuobj_cluster, namespace)

@@ -1,4 +1,4 @@
-"""Out-of-order deadlock (docs/design): a pod that receives one object and sends the next never deadlocks.
+"""Out-of-order deadlock (docs/design.md): a pod that receives one object and sends the next never deadlocks.
 
 Three workload processes A, B, C. Objects are chained A -> B -> C -> (A and B): B fetches
 a_i from A and puts it as b_i, C fetches b_i and puts c_i, A and B fetch c_i. Every

@@ -1,4 +1,4 @@
-"""Handle finalizers and the release queue (docs/design, "teardown without deserialization"), without a cluster.
+"""Handle finalizers and the release queue (docs/design.md, "teardown without deserialization"), without a cluster.
 
 A dropped handle hands plain data to a queue and nothing else; the queue releases on the
 client loop, holds a claim's release back while a fetch under it runs, and keeps going when

@@ -212,7 +212,7 @@ def test_declared_object_whose_pod_does_not_exist_yet_waits_instead_of_being_los
 
 
 def test_late_report_of_a_consumed_stream_item_is_deleted_not_counted() -> None:
-    """Streamed-item leak (docs/design): a report arriving after its item was consumed must not leave a reference."""
+    """Streamed-item leak (docs/design.md): a report arriving after its item was consumed must not leave a reference."""
     stream = StreamInfo(NS, "tokens", "s-uid", producer_pod="src", consumed=5, finalized=True)
     late = obj("tokens-3", uid="i3", stream=("tokens", 3))
     fresh = obj("tokens-5", uid="i5", stream=("tokens", 5))
