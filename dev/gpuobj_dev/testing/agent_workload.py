@@ -108,7 +108,8 @@ class AgentProcess:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"}
+        """What the operator sends: its token, and the pod uid the request is meant for (mandatory)."""
+        return {"Authorization": f"Bearer {self.token}", names.HEADER_POD_UID: self.pod_uid}
 
     @property
     def pid(self) -> int:
