@@ -1,7 +1,8 @@
 """Kubernetes Events, posted in the background so they never sit on the free path.
 
-Why: an Event per free is what `kubectl describe` users read ("Freed 64 MiB in 4 ms"),
-but it is one more API write; the free must not wait for it.
+Why: Events are what `kubectl describe` users read, but each is one more API write; so they are
+kept for what a person must notice (a reclaim, a Lost object, a failure, a free whose agent was
+gone) and never for the routine free that ends every lifecycle, and the free never waits for one.
 """
 
 from __future__ import annotations

@@ -139,10 +139,18 @@ class FreePath:
         self.metrics.free_latency.observe(latency)
         self.metrics.frees.labels(outcome).inc()
         if outcome == "freed" and result is not None:
-            message = (
-                f"freed {result.bytes} bytes on {a.endpoint} {latency * 1000:.1f} ms after the last reference went"
+            # The routine end of every lifecycle: logged and counted (gpuobj_frees_total, the latency
+            # histogram), not an Event. An Event is an API write, one more per lifecycle, for news that
+            # nobody has to act on; Events stay for what a person must notice (below, Lost, failures).
+            log.info(
+                "freed %s/%s: %d bytes on %s %.1f ms after the last reference went",
+                *a.key,
+                result.bytes,
+                a.endpoint,
+                latency * 1000,
             )
-        elif outcome == "noop":
+            return
+        if outcome == "noop":
             message = f"agent at {a.endpoint} no longer held object {a.object_id} (already freed)"
         else:
             message = f"agent at {a.endpoint} is gone; its memory went with it"

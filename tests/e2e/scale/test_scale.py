@@ -2,14 +2,17 @@
 
 What is asserted is behaviour, never a timing (bench/scale.py measures those at size): the fleet's
 agents verify real tokens; the operator's liveness traffic stays within its per-pod budget; a cold
-restart frees nothing; dead holder processes lose their claims; a storm frees everything it should
-and nothing else; nothing is leaked at the end. One fleet serves the whole module, in test order.
+restart frees nothing; while nothing changes the operator writes nothing; dead holder processes
+lose their claims; a storm frees everything it should and nothing else; nothing is leaked at the end.
+One fleet serves the whole module, in test order.
 Needs root: kwok's pod CIDR is made a local route (`ip route add local ... dev lo`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +28,8 @@ from gpuobj_dev.scale.harness import ScaleHarness
 from gpuobj_dev.scale.kwok import can_route
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.identities import OPERATOR_SA, WORKLOAD_SA, request_token
+from gpuobj_kube.client import CLAIMS, GPUOBJECTS
+from gpuobj_operator.free_path import is_marker
 
 PODS = 100
 NODES = 4
@@ -35,8 +40,10 @@ LIVENESS_PER_POD_S = 0.05
 LIVENESS_WINDOW_S = 40.0
 # Several test runs may share the machine: each takes the first of these pod CIDRs it can route.
 CIDRS = tuple(f"10.{n}.0.0/16" for n in range(219, 230))
-# Production probing and audit intervals; only the leak grace is short, so the orphan test need not wait.
-OPERATOR_ARGS = ["--leak-settle", "0.5", "--leak-grace", "2"]
+# Production probing and audit intervals; only the leak grace is short, so the orphan test need not wait,
+# and the resync (every record decided again) comes every 10 s, so the idle window holds two of them.
+OPERATOR_ARGS = ["--leak-settle", "0.5", "--leak-grace", "2", "--resync-interval", "10"]
+IDLE_WINDOW_S = 25.0
 
 pytestmark = pytest.mark.skipif(can_route() is not None, reason=f"scale harness: {can_route()}")
 
@@ -122,6 +129,42 @@ def test_cold_restart_frees_nothing(run: Run) -> None:
     assert restart.audited_s is not None, "not every agent was audited after the restart"
     assert restart.frees == 0 and restart.operator_frees == 0
     assert run.h.fleet.wrong_frees == 0
+
+
+async def _statuses_written(h: ScaleHarness, timeout: float) -> None:
+    """Until every status says what the operator will conclude (objects Ready, or Releasing once their
+    owner let go, with their claim counts; claims Bound): from then on, with nothing changing, it has
+    nothing left to write."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    async with h.handle.client() as kube:
+        while True:
+            objects = (await kube.list(GPUOBJECTS, h.namespace))["items"]
+            claims = [c for c in (await kube.list(CLAIMS, h.namespace))["items"] if not is_marker(c)]
+            per_object = Counter(c["spec"]["objectName"] for c in claims)
+            pending = [
+                o["metadata"]["name"]
+                for o in objects
+                if (o.get("status") or {}).get("state")
+                != (names.STATE_RELEASING if o["metadata"].get("deletionTimestamp") else names.STATE_READY)
+                or (o.get("status") or {}).get("claims") != per_object[o["metadata"]["name"]]
+            ] + [c["metadata"]["name"] for c in claims if (c.get("status") or {}).get("state") != "Bound"]
+            if not pending:
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                first = next((o for o in objects if o["metadata"]["name"] == pending[0]), {})
+                raise AssertionError(
+                    f"{len(pending)} statuses not written in {timeout:g}s, e.g. {pending[:5]}; {pending[0]}:"
+                    f" {first.get('status')}, {per_object[pending[0]]} claims name it"
+                )
+            await asyncio.sleep(0.5)
+
+
+def test_idle_operator_writes_nothing(run: Run) -> None:
+    """Nothing changes, two resyncs decide every record again: not one API write by the operator
+    (gpuobj.io, events, pods in apiserver_request_total, as bench/scale.py counts them)."""
+    run(_statuses_written(run.h, 180), timeout=240)
+    idle = run(scenarios.idle(run.h, IDLE_WINDOW_S, run.h.log), timeout=IDLE_WINDOW_S + 60)
+    assert idle.operator_writes_per_min == 0, f"writes per minute while idle: {idle.writes_by_resource}"
 
 
 def test_dead_holders_lose_their_claims(run: Run) -> None:

@@ -18,7 +18,7 @@ from gpuobj_contract import names
 from gpuobj_contract.agent_api import FreeAnswer, MaterializeAnswer
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, Invalid, NotFound
 from gpuobj_operator.actions import Free, Materialize
-from gpuobj_operator.agent_client import AgentError, AgentUnreachable
+from gpuobj_operator.agent_client import AgentError, AgentGone, AgentUnreachable
 from gpuobj_operator.decisions import decide
 from gpuobj_operator.free_path import RetryLater
 from gpuobj_operator.metrics import OperatorMetrics
@@ -164,10 +164,27 @@ def test_the_free_path_reads_the_claims_frees_on_the_agent_then_drops_the_finali
         assert ("gpuobjects", NS, "w") not in api.store  # the finalizer went, so did the object
         kinds = [c for c in api.calls if c[0] != "get"]
         assert kinds[-2:] == [("list", "gpuobjectclaims", "spec.objectName=w"), ("patch", "gpuobjects", "json")]
-        assert [reason for reason, _ in events.posted] == ["Freed"]
+        assert events.posted == []  # a routine free is logged and counted, not an Event (an API write)
         await r.execute(free)  # the same decision again (a duplicate work item): nothing twice
         assert agents.freed == ["o-w"]
         assert r.metrics.frees.labels("freed")._value.get() == 1
+
+    asyncio.run(go())
+
+
+def test_a_free_whose_agent_is_gone_is_announced_a_routine_one_is_not() -> None:
+    """Only the free a person must notice is an Event (its bytes went with the agent, not by a free)."""
+
+    async def go() -> None:
+        r, api, agents, events = setup((GPUOBJECTS, object_body()))
+        await r.sync()
+        (free,) = await release(r, api)
+        agents.fail_free = AgentGone("connection refused")
+        await r.execute(free)
+        assert ("gpuobjects", NS, "w") not in api.store
+        assert [reason for reason, _ in events.posted] == ["Freed"]
+        assert "is gone" in events.posted[0][1]
+        assert r.metrics.frees.labels("agent-gone")._value.get() == 1
 
     asyncio.run(go())
 
@@ -256,5 +273,54 @@ def test_a_declared_object_becomes_ready_with_its_bytes_and_references_in_one_st
         assert status["transport"]["agentIncarnation"] == "inc-1"
         assert decide(r.ledger, "object", (NS, "w"), dt.datetime.now(dt.UTC)) == []  # nothing left to write
         assert [reason for reason, _ in events.posted] == ["Materialized"]
+
+    asyncio.run(go())
+
+
+def test_a_resync_of_an_unchanged_ledger_writes_nothing() -> None:
+    """Every state a record settles in (Ready with a claim, Ready alone, Releasing behind a claim, a claim
+    Pending on a missing object, a declared object materialized): once its statuses are written and the
+    watch has delivered them, the periodic resync (every record decided again, a minute later) writes none."""
+
+    async def go() -> None:
+        releasing = object_body("r")
+        releasing["metadata"]["deletionTimestamp"] = "2026-12-02T04:00:00Z"
+        r, api, _, _ = setup(
+            (GPUOBJECTS, object_body("w")),
+            (GPUOBJECTS, object_body("alone")),
+            (GPUOBJECTS, object_body("d", declared=True)),
+            (GPUOBJECTS, releasing),
+            (CLAIMS, claim_body("on-w", "w")),
+            (CLAIMS, claim_body("on-r", "r")),
+            (CLAIMS, claim_body("on-d", "d")),
+            (CLAIMS, claim_body("on-missing", "missing")),
+        )
+        await r.sync()
+        keys = [("object", k) for k in r.ledger.objects] + [("claim", k) for k in r.ledger.claims]
+        now = dt.datetime.now(dt.UTC)
+        for _ in range(3):  # settle: materialize, then the statuses that follow from it
+            for kind, key in keys:
+                for action in decide(r.ledger, kind, key, now):
+                    await r.execute(action)
+        for (plural, _, _), body in list(api.store.items()):  # the watch delivers what the API server holds
+            if plural == "gpuobjects":
+                r.on_object("MODIFIED", copy.deepcopy(body))
+            elif plural == "gpuobjectclaims":
+                r.on_claim("MODIFIED", copy.deepcopy(body))
+        states = {k[2]: o.get("status", {}).get("state") for k, o in api.store.items() if k[0] != "pods"}
+        assert states == {
+            "w": "Ready",
+            "alone": "Ready",
+            "d": "Ready",
+            "r": "Releasing",
+            "on-w": "Bound",
+            "on-r": "Bound",
+            "on-d": "Bound",
+            "on-missing": "Pending",
+        }
+        writes = len([c for c in api.calls if c[0] == "patch"])
+        later = now + dt.timedelta(seconds=60)
+        assert {(kind, key): decide(r.ledger, kind, key, later) for kind, key in keys} == {k: [] for k in keys}
+        assert len([c for c in api.calls if c[0] == "patch"]) == writes
 
     asyncio.run(go())
