@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--status-delay",
         type=float,
-        default=2.0,
+        default=0.25,
         help="seconds a routine status write waits (short-lived objects then need none); 0 writes at once",
     )
     p.add_argument(
