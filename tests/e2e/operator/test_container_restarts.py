@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import json
 import uuid
 from collections.abc import Iterator
 
@@ -23,6 +22,7 @@ from gpuobj_dev.testing.records import user_claims
 from gpuobj_dev.testing.waits import wait_until
 from gpuobj_kube.client import CLAIMS, PODS
 from tests.e2e.operator.conftest import Pods, kube, start_operator
+from tests.e2e.operator.test_incarnations import _events
 from tests.e2e.operator.test_lifecycle import assert_api_empty, state, wait_object
 
 pytestmark = pytest.mark.nixl
@@ -50,11 +50,6 @@ def _report(cluster: ClusterHandle, namespace: str, pod: str, container: dict) -
         await k.patch(PODS, pod, {"status": status}, namespace, subresource="status")
 
     kube(cluster, patch)
-
-
-def _events(cluster: ClusterHandle, namespace: str, reason: str) -> list[dict]:
-    out = cluster.kubectl("get", "events", "-n", namespace, "--field-selector", f"reason={reason}", "-o", "json")
-    return json.loads(out.stdout)["items"]
 
 
 def test_a_share_to_a_receiver_that_restarts_before_it_ever_listens_is_dropped_and_freed(
