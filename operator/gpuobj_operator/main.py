@@ -33,7 +33,7 @@ from gpuobj_operator.claimcheck import Watermark
 from gpuobj_operator.events import EventRecorder
 from gpuobj_operator.leader import Backoff, LeaderElector, LeaseConfig
 from gpuobj_operator.metrics import OperatorMetrics
-from gpuobj_operator.progress_marker import ProgressMarker, marker_writer
+from gpuobj_operator.progress_marker import MarkerMisconfigured, ProgressMarker, marker_namespace, marker_writer
 from gpuobj_operator.reconciler import LABEL_AGENT_SELECTOR, Reconciler
 from gpuobj_operator.settings import Settings
 
@@ -106,10 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--claims-progress-marker",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help=f"write the claim {names.CLAIMS_PROGRESS_MARKER} in the watched namespace (or the operator's own) to "
-        "move the claims watch past a deletion that no claim event follows; the chart grants it "
-        "(docs/operator-free-path.md)",
+        default=None,
+        help=f"write the claim {names.CLAIMS_PROGRESS_MARKER} in the operator's own namespace to move the claims "
+        "watch past a deletion that no claim event follows. Default: on when watching every namespace; refused "
+        "with --namespace (it would show in users' kubectl get gpuobj: owner-last frees read their claims "
+        "instead). The chart grants it (docs/operator-free-path.md)",
     )
     p.add_argument("--log-level", default=env("GPUOBJ_LOG_LEVEL", "INFO"))
     return p
@@ -189,12 +190,17 @@ def _connection_info(config: KubeConfig) -> kopf.ConnectionInfo:
     )
 
 
+def progress_marker_namespace(args: argparse.Namespace) -> str | None:
+    """Where this operator writes its claims progress marker; None: it has none (progress_marker.py)."""
+    return marker_namespace(args.namespace, args.lease_namespace, args.claims_progress_marker)
+
+
 def settings_from(args: argparse.Namespace) -> Settings:
     """The reconciler's settings from the command line."""
     if args.claims_read_delay is not None:
         read_delay = args.claims_read_delay
     else:  # nothing but the claims themselves moves the watch on without the marker: read soon
-        read_delay = 0.05 if args.claims_progress_marker else 0.005
+        read_delay = 0.05 if progress_marker_namespace(args) else 0.005
     return Settings(
         workers=args.workers,
         namespace=args.namespace,
@@ -338,11 +344,11 @@ async def lead(
     watermark = Watermark()
     claims = Informer(kube, CLAIMS, reconciler.on_claim, namespace=args.namespace, on_progress=watermark.observe)
     reconciler.free_path.claims_watermark = watermark
-    if args.claims_progress_marker:
-        marker_namespace = args.namespace or args.lease_namespace
+    marker_at = progress_marker_namespace(args)
+    if marker_at is not None:
         reconciler.free_path.progress_marker = ProgressMarker(
             watermark,
-            marker_writer(kube, marker_namespace),
+            marker_writer(kube, marker_at),
             on_write=lambda ok: metrics.claims_marker_writes.labels("written" if ok else "failed").inc(),
         )
     kopf_stop = asyncio.Event()
@@ -466,7 +472,12 @@ def _empty_ledger():
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        progress_marker_namespace(args)
+    except MarkerMisconfigured as exc:
+        parser.error(str(exc))
     prometheus_client.disable_created_metrics()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kopf").setLevel(logging.WARNING)

@@ -8,9 +8,15 @@ A write to a claim gets a version newer than the deletion. Once the watch delive
 delivered every claim before it: the ledger then knows them all, with no read.
 
 One write serves every free waiting when it is made, and none is made while the watch passes on its
-own (claims come and go). Writes come one at a time: a free asking during a write whose version
-turns out older than its own asks for the next one. The marker holds nothing: the operator keeps it
-out of its ledger (``is_marker``) and out of every read of claims.
+own (claims come and go). Writes come one at a time, at least ``spacing`` apart: the frees that ask
+meanwhile share the next write, so the operator's marker writes stay under 1/spacing per second at
+any free rate. The marker holds nothing: the operator keeps it out of its ledger (``is_marker``) and
+out of every read of claims.
+
+Where it lives (``marker_namespace``): in the operator's own namespace, and only when the operator
+watches claims in every namespace, so its watch delivers that write. An operator that watches one
+namespace would have to write it there, where it shows in the users' ``kubectl get gpuobj``; such an
+operator has no marker, and an owner-last free reads the object's claims instead (a read, no write).
 """
 
 from __future__ import annotations
@@ -42,12 +48,14 @@ class ProgressMarker:
         on_write: Callable[[bool], None] | None = None,
         retry_min: float = 0.2,
         retry_max: float = 10.0,
+        spacing: float = 0.02,
     ) -> None:
         self.watermark = watermark
         self._write = write
         self._on_write = on_write or (lambda ok: None)
         self.retry_min = retry_min
         self.retry_max = retry_max
+        self.spacing = spacing  # seconds between two writes: frees asking meanwhile share the next one
         self._wanted: int | None = None  # the highest version a free waits for the watch to pass
         self._written: int | None = None  # the version of the last write: the watch passes it soon
         self._wake = asyncio.Event()
@@ -92,8 +100,32 @@ class ProgressMarker:
             delay = self.retry_min
             self._written = max(written, self._written or 0)
             self._on_write(True)
-            if self._pending() is not None:  # asked for while this write was under way, for a newer version
+            if self.spacing > 0:
+                # Coalesce: every free asking during this pause is served by one write after it.
+                await asyncio.sleep(self.spacing)
+            if self._pending() is not None:  # asked for during the write or the pause, for a newer version
                 self._wake.set()
+
+
+class MarkerMisconfigured(ValueError):
+    """The progress marker was asked for where the operator's claims watch cannot see it."""
+
+
+def marker_namespace(watch_namespace: str | None, own_namespace: str, wanted: bool | None) -> str | None:
+    """Where the operator writes its marker, or None for no marker (owner-last frees read their claims).
+
+    ``wanted``: the command line's choice (None: the default, on exactly when the operator watches every
+    namespace). Only a claims watch of every namespace delivers a write in the operator's own; a
+    marker in a watched namespace would be a claim in the users' ``kubectl get gpuobj``."""
+    if watch_namespace is None:
+        return own_namespace if wanted is not False else None
+    if wanted:
+        raise MarkerMisconfigured(
+            f"--claims-progress-marker needs the operator to watch every namespace: with --namespace "
+            f"{watch_namespace} its claims watch sees only that namespace, where the marker would show in "
+            "every user's `kubectl get gpuobj`; without it an owner-last free reads the object's claims"
+        )
+    return None
 
 
 def marker_writer(kube: KubeClient, namespace: str, name: str = names.CLAIMS_PROGRESS_MARKER) -> Write:

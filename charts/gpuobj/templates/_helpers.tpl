@@ -58,14 +58,14 @@ app.kubernetes.io/component: operator
 {{/*
 The claim the operator writes to move its claims watch past a deletion (operator/gpuobj_operator/
 progress_marker.py): its name is gpuobj_contract.names.CLAIMS_PROGRESS_MARKER (tests/e2e/deploy checks it),
-in the namespace the operator watches, or its own when it watches all.
+in the operator's own namespace; only an operator that watches every namespace has one.
 */}}
 {{- define "gpuobj.progressMarkerName" -}}
 gpuobj-claims-progress
 {{- end -}}
 
 {{- define "gpuobj.progressMarkerNamespace" -}}
-{{- default .Release.Namespace .Values.operator.watchNamespace -}}
+{{- .Release.Namespace -}}
 {{- end -}}
 
 {{- define "gpuobj.workloadRoleName" -}}

@@ -17,12 +17,10 @@ from pathlib import Path
 import pytest
 
 from gpuobj_contract import metric_names as m
-from gpuobj_contract import names
 from gpuobj_dev.testing import agent_http
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.operator import OperatorProcess
 from gpuobj_dev.testing.records import user_claims
-from gpuobj_dev.testing.waits import wait_until
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, ApiTimeout, KubeClient, wait_for
 from gpuobj_kube.config import from_kubeconfig
 from gpuobj_operator.actions import Free
@@ -33,7 +31,7 @@ from gpuobj_operator.events import EventRecorder
 from gpuobj_operator.metrics import OperatorMetrics
 from gpuobj_operator.reconciler import Reconciler
 from gpuobj_operator.settings import Settings
-from tests.e2e.operator.conftest import Pods, kube, start_operator
+from tests.e2e.operator.conftest import Pods, kube
 
 pytestmark = pytest.mark.nixl
 
@@ -147,48 +145,6 @@ def test_a_claim_made_just_before_the_owners_release_keeps_the_bytes_until_it_go
     agent_http.assert_holds_nothing(pods.endpoint("late"), token_file)
     assert kube(gpuobj_cluster, lambda k: k.list(GPUOBJECTS, namespace))["items"] == []
     assert user_claims(kube(gpuobj_cluster, lambda k: k.list(CLAIMS, namespace))["items"]) == []
-
-
-def test_an_owner_last_free_learns_every_claim_from_the_progress_marker_and_reads_none(
-    gpuobj_cluster: ClusterHandle, namespace: str, pods: Pods, token_file: Path
-) -> None:
-    """The owner's release is the last reference: no claim event follows its deletion, so the operator
-    writes its progress marker, and its claims watch then passes the deletion. The read of claims it
-    would fall back to is put off for good here (--claims-read-delay 600), so only the marker can free."""
-    op = start_operator(gpuobj_cluster, token_file, namespace, extra=["--claims-read-delay", "600"]).wait_ready()
-    try:
-        src, reader = pods.workload("src"), pods.workload("reader")
-        rounds = 3
-        for i in range(rounds):
-            src.run(f"r = client.put([{ARANGE} + {i}], name='o{i}'); s = client.share(r, 'reader'); client.flush()")
-            reader.run(f"h = client.adopt(load_pickle({src.eval_pickle('s')!r})); got = client.fetch(h)[0]")
-            assert reader.eval(f"bool(torch.equal(got, {ARANGE} + {i}))")
-            reader.run("h.release(); del got, h; client.flush()")  # the claim goes first...
-            wait_until(lambda: user_claims(kube(gpuobj_cluster, lambda k: k.list(CLAIMS, namespace))["items"]) == [],
-                       "the reader's claim deleted", timeout=30)  # fmt: skip
-            src.run("r.release(); del r, s; client.flush()")  # ...and the owner's release is the last reference
-            kube(
-                gpuobj_cluster,
-                lambda k, i=i: wait_for(k, GPUOBJECTS, f"o{i}", namespace, lambda o: o is None, timeout=30),
-            )
-        op.wait_metric(m.FREES, {"result": "freed"}, rounds)
-        assert op.metric(m.CLAIMS_CHECKS, {"how": "read"}) == 0
-        assert op.metric(m.CLAIMS_MARKER_WRITES, {"result": "failed"}) == 0
-        assert op.metric(m.CLAIMS_CHECKS, {"how": "marker"}) == rounds  # a write for each: nothing else moved the watch
-        assert op.metric(m.CLAIMS_MARKER_WRITES, {"result": "written"}) == rounds
-        # The marker: the operator's one claim, holding nothing and counted nowhere.
-        marker = kube(gpuobj_cluster, lambda k: k.get(CLAIMS, names.CLAIMS_PROGRESS_MARKER, namespace))
-        assert marker["spec"] == {"objectName": names.CLAIMS_PROGRESS_MARKER}  # no holder
-        assert "conditions" not in marker.get("status", {})  # the operator decides nothing about it
-        assert op.metric(m.CLAIMS) == 0
-        agent_http.assert_holds_nothing(pods.endpoint("src"), token_file)
-        agent_http.assert_holds_nothing(pods.endpoint("reader"), token_file)
-        assert kube(gpuobj_cluster, lambda k: k.list(GPUOBJECTS, namespace))["items"] == []
-        assert user_claims(kube(gpuobj_cluster, lambda k: k.list(CLAIMS, namespace))["items"]) == []
-    finally:
-        rc = op.stop()
-    assert rc == 0, op.output()
-    assert "forbidden" not in op.output().lower()
 
 
 def test_a_free_whose_finalizer_removal_failed_is_finished_by_its_retry_and_counted_once(

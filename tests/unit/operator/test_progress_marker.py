@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+import pytest
+
 from gpuobj_kube.client import ApiError
 from gpuobj_operator.claimcheck import Watermark
-from gpuobj_operator.progress_marker import ProgressMarker, marker_manifest
+from gpuobj_operator.progress_marker import MarkerMisconfigured, ProgressMarker, marker_manifest, marker_namespace
 
 WAIT = 5.0  # seconds: every wait in these tests ends long before, or the test fails
 
@@ -152,3 +154,36 @@ def test_the_marker_is_a_claim_of_its_own_name_with_no_holder() -> None:
     assert manifest["kind"] == "GPUObjectClaim"
     assert manifest["spec"] == {"objectName": "gpuobj-claims-progress"}
     assert manifest["metadata"]["annotations"] == {"gpuobj.io/progress": "1"}
+
+
+def test_frees_asking_during_the_pause_after_a_write_share_the_next_write() -> None:
+    """A burst of owner-last frees costs one write per pause, not one per free (docs/scale.md, writes)."""
+
+    async def scenario(marker: ProgressMarker, api: FakeApi, mark: Watermark) -> None:
+        api.revision = 101
+        marker.request("101")
+        await asyncio.wait_for(api.written.wait(), WAIT)
+        assert api.writes == [102]
+        api.written.clear()
+        api.deliver()
+        for rv in range(103, 123):  # twenty frees inside the pause that follows the write
+            api.revision = rv
+            marker.request(str(rv))
+        await asyncio.wait_for(api.written.wait(), WAIT)
+        await settle()
+        assert api.writes == [102, 123]  # one write for all twenty, newer than every deletion
+        api.deliver()
+        await asyncio.wait_for(mark.reached("122"), WAIT)
+
+    assert run(scenario, spacing=0.3) == ["ok", "ok"]
+
+
+def test_the_marker_lives_in_the_operators_namespace_and_only_with_a_watch_of_every_namespace() -> None:
+    assert marker_namespace(None, "gpuobj-system", None) == "gpuobj-system"
+    assert marker_namespace(None, "gpuobj-system", True) == "gpuobj-system"
+    assert marker_namespace(None, "gpuobj-system", False) is None
+    # Watching one namespace: never a claim of the operator's among the users' (they read instead).
+    assert marker_namespace("ml", "gpuobj-system", None) is None
+    assert marker_namespace("ml", "ml", False) is None
+    with pytest.raises(MarkerMisconfigured, match="kubectl get gpuobj"):
+        marker_namespace("ml", "gpuobj-system", True)
