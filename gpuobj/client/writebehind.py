@@ -27,6 +27,10 @@ writes and return; the queue sends them in the background. What must still hold:
   needs no API read on the caller's path (it succeeds during an outage, like a put). A
   receiver that does not exist fails that claim alone (PodNotFoundError, from `flush`).
 - Every refusal for good is also raised, once, by the next `flush`.
+- Bounded concurrency: at most `concurrency` families are sent at once, fewer while the API server
+  throttles (a 429, even one the kube client retried after its Retry-After; a timeout; a 5xx): the
+  limit halves, and grows back by one per round of writes that land (congestion.py). A fleet of pods
+  cannot be bounded from one of them; each backing off is what keeps the API server's queue short.
 - Bounded memory and backpressure: at most `max_pending` writes wait. A create that finds
   the queue full waits for room, and after `backpressure_timeout` raises
   WriteBehindFullError naming the last API error. Releases are never refused (a release is
@@ -46,8 +50,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuobj.client.congestion import InFlightLimit
 from gpuobj.client.errors import GpuObjError, NameTakenError, PermissionDeniedError, PodNotFoundError
-from gpuobj_kube.client import CLAIMS, GPUOBJECTS, ApiError, Conflict, KubeClient, NotFound
+from gpuobj_kube.client import CLAIMS, GPUOBJECTS, ApiError, ApiTimeout, Conflict, KubeClient, NotFound
 
 log = logging.getLogger("gpuobj.client.writebehind")
 
@@ -181,7 +186,7 @@ class WriteBehind:
         self.failing_since: float | None = None
         self.counts = {"sent": 0, "elided_families": 0, "retries": 0, "failed": 0}
         self.unreported: list[BaseException] = []  # refusals for good that no flush has raised yet
-        self._sem = asyncio.Semaphore(concurrency)
+        self.in_flight = InFlightLimit(concurrency)
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._timers: set[asyncio.TimerHandle] = set()
@@ -347,7 +352,8 @@ class WriteBehind:
 
     async def _run(self, fam: Family) -> None:
         try:
-            async with self._sem:
+            await self.in_flight.acquire()
+            try:
                 while fam.writes:
                     w = fam.writes[0]
                     outcome = await self._send_retrying(fam, w)
@@ -359,6 +365,8 @@ class WriteBehind:
                         break
                     if outcome == FAILED_WRITE:
                         self.counts["failed"] += 1
+            finally:
+                self.in_flight.release()
         finally:
             fam.running = False
             if not fam.writes and not fam.live:
@@ -392,8 +400,11 @@ class WriteBehind:
         delay = BACKOFF_START
         forbidden_since: float | None = None
         while True:
+            throttled_before = self.kube.throttled
             try:
                 await self._send(fam, w)
+                # A 429 the kube client waited out (Retry-After) still says the API server is overloaded.
+                self.in_flight.observe(self.kube.throttled > throttled_before)
                 self.counts["sent"] += 1
                 self.failing_since = None
                 return SENT
@@ -435,10 +446,14 @@ class WriteBehind:
                         ),
                     )
                     return FAILED_FAMILY
+                if _overloaded(exc) or self.kube.throttled > throttled_before:
+                    self.in_flight.observe(True)
                 self._note_failure(exc)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # connection refused, reset, timeout: the API server may come back
+                if isinstance(exc, TimeoutError):
+                    self.in_flight.observe(True)
                 self._note_failure(exc)
             self.counts["retries"] += 1
             await asyncio.sleep(delay)
@@ -553,8 +568,15 @@ class WriteBehind:
             "pending": self.pending_writes,
             "families": len(self.families),
             "lastError": self.last_error,
+            "inFlightLimit": self.in_flight.limit,
+            "throttledCuts": self.in_flight.cuts,
             **self.counts,
         }
+
+
+def _overloaded(exc: ApiError) -> bool:
+    """An answer that says the API server cannot keep up: throttled, timed out, or failing."""
+    return exc.status == 429 or exc.status >= 500 or isinstance(exc, ApiTimeout)
 
 
 def _same_spec(created: dict, body: dict) -> bool:

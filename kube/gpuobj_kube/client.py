@@ -113,6 +113,7 @@ class KubeClient:
         self.request_timeout = request_timeout
         self._pool = pool
         self._session: aiohttp.ClientSession | None = None
+        self.throttled = 0  # 429 answers so far, retried or not: callers that pace themselves read it
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -187,6 +188,7 @@ class KubeClient:
                     timeout=aiohttp.ClientTimeout(total=max(left, 0.1)),
                 ) as resp:
                     if resp.status == 429:
+                        self.throttled += 1
                         delay = min(float(resp.headers.get("Retry-After", "1") or 1), 1.0)
                         if asyncio.get_running_loop().time() + delay < deadline:
                             await asyncio.sleep(delay)

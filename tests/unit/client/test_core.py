@@ -51,6 +51,7 @@ class Api:
     def __init__(self) -> None:
         self.items: dict[tuple[str, str], dict] = {("pods", "reader"): {"metadata": {"uid": "pod-uid-r"}}}
         self.uids = 0
+        self.throttled = 0  # the kube client's count of 429 answers (the write-behind paces by it)
 
     async def create(self, res, body, namespace):
         self.uids += 1

@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from gpuobj.client.congestion import InFlightLimit
 from gpuobj.client.errors import NameTakenError, PodNotFoundError
 from gpuobj.client.writebehind import WriteBehind, WriteBehindFullError, WriteFailedError
 from gpuobj_kube.client import Conflict, Invalid
@@ -25,6 +26,7 @@ class ScriptedApi:
         self.refuse_creates = False
         self.jitter = jitter
         self.uids = 0
+        self.throttled = 0  # the kube client's count of 429 answers, retried or not
 
     async def _pause(self) -> None:
         await asyncio.sleep(random.random() * self.jitter)
@@ -367,3 +369,76 @@ def test_a_claim_for_a_receiver_is_queued_without_its_uid_and_a_missing_receiver
         await wb.close()
 
     run(go())
+
+
+class Throttling(ScriptedApi):
+    """An overloaded API server: while `throttling`, every write is answered 429 once, which the kube
+    client waits out (Retry-After) and retries: the write lands, and only its `throttled` count tells."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.throttling = True
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.gate = asyncio.Event()  # writes wait for it, so the test sees how many are in flight at once
+
+    async def create(self, res, body, namespace):
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await asyncio.wait_for(self.gate.wait(), 5)
+            if self.throttling:
+                self.throttled += 1
+            return await super().create(res, body, namespace)
+        finally:
+            self.in_flight -= 1
+
+
+async def settle() -> None:
+    """Let every task that can run do so (each family's first write reaches the gate or waits for room)."""
+    for _ in range(100):
+        await asyncio.sleep(0)
+
+
+def test_a_throttling_api_server_halves_the_writes_in_flight_and_unthrottled_writes_grow_them_back() -> None:
+    async def go():
+        api = Throttling()
+        wb = WriteBehind(api, free_local=lambda _: None, window=0.0, concurrency=16)
+        for i in range(16):
+            await wb.create_object("ns", f"a{i}", body(f"a{i}"), f"oid-a{i}")
+        await settle()
+        assert api.most_in_flight == 16  # the ceiling while nothing was throttled
+        api.gate.set()
+        await wb.flush(5)
+        assert wb.in_flight.limit == 8 and wb.stats()["throttledCuts"] == 1  # one burst of 429s: one cut
+        api.gate.clear()
+        api.most_in_flight = 0
+        for i in range(16):
+            await wb.create_object("ns", f"b{i}", body(f"b{i}"), f"oid-b{i}")
+        await settle()
+        assert api.most_in_flight == 8  # the rest wait their turn
+        api.throttling = False
+        api.gate.set()
+        await wb.flush(5)
+        assert wb.in_flight.limit > 8  # grown back by the writes that landed unthrottled
+        assert len(api.calls) == 32  # nothing dropped
+        await wb.close()
+
+    run(go())
+
+
+def test_the_in_flight_limit_cuts_once_per_calm_period_and_never_below_its_floor() -> None:
+    now = [0.0]
+    limit = InFlightLimit(16, floor=2, calm=1.0, clock=lambda: now[0])
+    for _ in range(5):
+        limit.observe(True)  # one burst
+    assert limit.limit == 8 and limit.cuts == 1
+    for _ in range(4):
+        now[0] += 1.0
+        limit.observe(True)
+    assert limit.limit == 2 and limit.cuts == 3  # 8, 4, 2, then the floor holds
+    for _ in range(2 + 3):  # one round at size 2 (2 writes) and a bit of the next
+        limit.observe(False)
+    assert limit.limit == 3
+    with pytest.raises(ValueError, match="floor"):
+        InFlightLimit(4, floor=5)
