@@ -26,7 +26,7 @@ class ApiSnapshot:
     """Cumulative counts at one instant; subtract two to get a window."""
 
     buckets: dict[float, float] = field(default_factory=dict)  # mutating requests with latency <= le
-    requests: dict[tuple[str, str, str], float] = field(default_factory=dict)  # (verb, group, resource) -> count
+    requests: dict[tuple[str, str, str], float] = field(default_factory=dict)  # (verb, group, resource[/sub]) -> count
 
     def minus(self, earlier: ApiSnapshot) -> ApiSnapshot:
         return ApiSnapshot(
@@ -44,7 +44,7 @@ class ApiSnapshot:
             if verb not in MUTATING:
                 continue
             filtered = groups is not None or resources is not None
-            if filtered and not ((groups and group in groups) or (resources and resource in resources)):
+            if filtered and not ((groups and group in groups) or (resources and resource.split("/")[0] in resources)):
                 continue
             total += n
         return total
@@ -95,7 +95,10 @@ def parse(text: str) -> ApiSnapshot:
         value = float(m.group(3))
         verb = labels.get("verb", "")
         if m.group(1) == "apiserver_request_total":
-            requests[(verb, labels.get("group", ""), labels.get("resource", ""))] += value
+            resource = labels.get("resource", "")
+            if labels.get("subresource"):  # gpuobjects/status apart from gpuobjects: who writes which
+                resource = f"{resource}/{labels['subresource']}"
+            requests[(verb, labels.get("group", ""), resource)] += value
         elif verb in MUTATING:
             buckets[float(labels["le"])] += value
     return ApiSnapshot(dict(buckets), dict(requests))
