@@ -80,7 +80,6 @@ def clusterwide(
     rbac = cluster.helm(
         "template", RELEASE, str(CHART), "--namespace", own,
         "--set", f"operator.leaseName={LEASE_NAME}", "--set", "rbac.aggregateToDefaultRoles=false",
-        "--set", f"workloads.bindings[0].namespace={namespace}",
         "--show-only", "templates/serviceaccount.yaml", "--show-only", "templates/rbac-operator.yaml",
     ).stdout  # fmt: skip
     cluster.kubectl("apply", "-f", "-", input=rbac)
@@ -173,4 +172,6 @@ def test_an_owner_last_free_learns_every_claim_from_the_progress_marker_and_read
         assert p.metric(m.CLAIMS) == 0
         assert kube(gpuobj_cluster, lambda k: k.list(CLAIMS, namespace))["items"] == []
         assert kube(gpuobj_cluster, lambda k: k.list(GPUOBJECTS, namespace))["items"] == []
-        assert "forbidden" not in p.output().lower()
+        # Refused nothing here (it watches every namespace: earlier tests' namespaces may be going away).
+        refused = [line for line in p.output().lower().splitlines() if "forbidden" in line]
+        assert not [line for line in refused if namespace in line or op.namespace in line], refused
