@@ -227,6 +227,17 @@ def test_watch_namespace_turns_the_operator_clusterrole_into_a_role() -> None:
     assert role["rules"] == cluster["rules"]
 
 
+def test_the_progress_marker_role_comes_only_with_a_watch_of_every_namespace() -> None:
+    """The marker lives in the operator's namespace; watching one namespace, the operator has none
+    (it would show in the users' kubectl get gpuobj there: docs/operator-free-path.md)."""
+    role = one(render(), "Role", "t-gpuobj-operator-progress-marker")
+    assert role["metadata"]["namespace"] == "gpuobj-test"
+    assert one(render(), "RoleBinding", "t-gpuobj-operator-progress-marker")["metadata"]["namespace"] == "gpuobj-test"
+    namespaced = render(values={"operator": {"watchNamespace": "ml"}})
+    assert not find(namespaced, "Role", "t-gpuobj-operator-progress-marker")
+    assert not find(namespaced, "RoleBinding", "t-gpuobj-operator-progress-marker")
+
+
 def test_operator_rbac_grants_nothing_on_secrets_crds_or_namespaces() -> None:
     docs = render()
     for kind in ("ClusterRole", "Role"):
