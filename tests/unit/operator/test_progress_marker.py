@@ -13,6 +13,7 @@ import pytest
 
 from gpuobj_kube.client import ApiError
 from gpuobj_operator.claimcheck import Watermark
+from gpuobj_operator.main import build_parser, main, progress_marker_namespace
 from gpuobj_operator.progress_marker import MarkerMisconfigured, ProgressMarker, marker_manifest, marker_namespace
 
 WAIT = 5.0  # seconds: every wait in these tests ends long before, or the test fails
@@ -187,3 +188,15 @@ def test_the_marker_lives_in_the_operators_namespace_and_only_with_a_watch_of_ev
     assert marker_namespace("ml", "ml", False) is None
     with pytest.raises(MarkerMisconfigured, match="kubectl get gpuobj"):
         marker_namespace("ml", "gpuobj-system", True)
+
+
+def test_the_operator_refuses_a_marker_with_a_watch_of_one_namespace_at_start(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--namespace", "ml", "--claims-progress-marker"])
+    assert exited.value.code == 2
+    assert "kubectl get gpuobj" in capsys.readouterr().err
+    assert progress_marker_namespace(build_parser().parse_args(["--namespace", "ml"])) is None
+    everywhere = build_parser().parse_args(["--lease-namespace", "gpuobj-system"])
+    assert progress_marker_namespace(everywhere) == "gpuobj-system"
