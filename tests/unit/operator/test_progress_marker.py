@@ -1,7 +1,8 @@
 """When the operator writes its claims progress marker (progress_marker.py), driven by a fake write.
 
-The real test above these: tests/e2e/operator/test_free_claim_order.py (an owner-last free, on an API
-server with its claims watch cache, learns every claim through the marker and reads none).
+The real tests above these: tests/e2e/operator/test_progress_marker.py (an owner-last free, on an API
+server with its claims watch cache, learns every claim through the marker and reads none; the marker
+never shows in a person's `kubectl get gpuobj` of the workloads' namespace).
 """
 
 from __future__ import annotations
