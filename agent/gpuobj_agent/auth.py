@@ -33,6 +33,7 @@ import aiohttp
 import jwt
 
 from gpuobj_agent.errors import AgentError, Unauthorized
+from gpuobj_kube.bodies import BodyTooLarge, read_bounded
 
 log = logging.getLogger(__name__)
 
@@ -140,11 +141,12 @@ class IssuerKeys:
             **({"Authorization": f"Bearer {token}"} if token else {}),
         }
         async with session.get(url, headers=headers, ssl=self.ssl_context or True) as resp:
-            body = await resp.content.read(MAX_JWKS_BYTES + 1)
+            try:
+                body = await read_bounded(resp, MAX_JWKS_BYTES, f"GET {url}")
+            except BodyTooLarge as exc:
+                raise IssuerError(str(exc)) from None
             if resp.status != 200:
                 raise IssuerError(f"GET {url} answered {resp.status}: {body[:200]!r}")
-        if len(body) > MAX_JWKS_BYTES:
-            raise IssuerError(f"GET {url}: answer larger than {MAX_JWKS_BYTES} bytes")
         try:
             data = json.loads(body)
         except ValueError as exc:
@@ -272,7 +274,10 @@ class Revocations:
         headers = {"Authorization": f"Bearer {own}"} if own else {}
         self.calls += 1
         async with self._session.post(self.url, json=body, headers=headers, ssl=self.ssl_context or True) as resp:
-            raw = await resp.content.read(MAX_JWKS_BYTES + 1)
+            try:
+                raw = await read_bounded(resp, MAX_JWKS_BYTES, "TokenReview")
+            except BodyTooLarge as exc:
+                raise IssuerError(str(exc)) from None
             if resp.status not in (200, 201):
                 raise IssuerError(f"TokenReview answered {resp.status}: {raw[:200]!r}")
         try:

@@ -31,6 +31,7 @@ from gpuobj_contract.agent_api import (
     MaterializeAnswer,
     MaterializeRequest,
 )
+from gpuobj_kube.bodies import BodyTooLarge, read_bounded
 
 # A 1,000-object inventory page is about 300 KB of JSON; an agent that sends more than this in one
 # answer is refused, not read. The pages of one inventory are bounded too (a million objects).
@@ -39,18 +40,11 @@ MAX_INVENTORY_PAGES = 1000
 
 
 async def _read_body(resp: aiohttp.ClientResponse, endpoint: str) -> bytes:
-    """The whole body, at most MAX_ANSWER_BYTES. (``content.read(n)`` returns what is buffered so far:
-    a 151 KB inventory once came back cut, and was read as an empty store.)"""
-    if resp.content_length is not None and resp.content_length > MAX_ANSWER_BYTES:
-        raise AgentError(413, f"the agent at {endpoint} answers {resp.content_length} bytes, over {MAX_ANSWER_BYTES}")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in resp.content.iter_chunked(1 << 16):
-        size += len(chunk)
-        if size > MAX_ANSWER_BYTES:
-            raise AgentError(413, f"the agent at {endpoint} answered more than {MAX_ANSWER_BYTES} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    """The whole body, at most MAX_ANSWER_BYTES (an inventory once came back cut and read as empty)."""
+    try:
+        return await read_bounded(resp, MAX_ANSWER_BYTES, f"the agent at {endpoint}")
+    except BodyTooLarge as exc:
+        raise AgentError(413, str(exc)) from None
 
 
 class AgentError(Exception):
