@@ -25,7 +25,7 @@ from types import MappingProxyType
 from gpuobj_contract import names
 from gpuobj_operator.model import Key, ObjectInfo
 
-REASON = "QuotaExceeded"
+REASON = names.REASON_QUOTA_EXCEEDED
 
 _UNITS = {
     "": 1,
