@@ -189,25 +189,36 @@ def test_a_replay_after_the_free_reads_that_object_until_the_fence_and_never_a_l
         assert reader.call(**replay) == {"ok": True, "sha256": raw_sha(layout, 1)}
         assert src.request("DELETE", f"/v1/reads/{ticket['readId']}")[1]["valid"]
 
+        old_sha, later_sha = raw_sha(layout, 1), raw_sha(layout, 2)
         freed_at = time.monotonic()
         status, freed = src.request("POST", "/v1/objects/old/free", {})
         assert status == 200 and freed["freed"], freed
-        status, body = src.request("POST", "/v1/test/put", {"id": "later", "tensors": [layout.to_json()], "seed": 2})
-        assert status == 200, body
-        reads, last_read = 0, None
+        # The later object is allocated while the replays run (a thread), as a busy source would.
+        later: list[tuple[int, dict]] = []
+        put = threading.Thread(
+            target=lambda: later.append(
+                src.request("POST", "/v1/test/put", {"id": "later", "tensors": [layout.to_json()], "seed": 2})
+            )
+        )
+        put.start()
+        reads, last_read = 0, 0.0
         while True:
+            started = time.monotonic() - freed_at
             got = reader.call(**replay)
             after = time.monotonic() - freed_at
             if not got["ok"]:
                 assert "NIXL_ERR" in got["error"], got
                 break
-            assert got["sha256"] != raw_sha(layout, 2), "a replay read the later object's bytes"
-            assert got["sha256"] == raw_sha(layout, 1), got
+            assert got["sha256"] != later_sha, "a replay read the later object's bytes"
+            assert got["sha256"] == old_sha, got
             reads, last_read = reads + 1, after
             assert after < 60, f"the replay still read {after:.1f}s after the free: no fence"
+        put.join(60)
+        assert later and later[0][0] == 200, later
         figure = (
-            f"{size} ({layout.nbytes} B): {reads} replays read the freed object, the last {last_read}s after "
-            f"the free; the first failure {after:.3f}s after it"
+            f"{size} ({layout.nbytes} B): {reads} replays read the freed object's own bytes, the last done "
+            f"{last_read:.3f}s after the free; the first refused replay started {started:.3f}s and failed "
+            f"{after:.3f}s after it"
         )
         print(f"\nfence bound, {figure}")
         record_property("fence_bound_seconds", round(after, 3))
@@ -216,7 +227,7 @@ def test_a_replay_after_the_free_reads_that_object_until_the_fence_and_never_a_l
         assert status == 200, ticket
         assert reader.call(op="load", metadata=ticket["agentMetadata"])["ok"]
         fresh = {"op": "read", "agent": ticket["nixlAgent"], "descriptors": ticket["descriptors"]}
-        assert reader.call(**fresh, nbytes=ticket["bytes"]) == {"ok": True, "sha256": raw_sha(layout, 2)}
+        assert reader.call(**fresh, nbytes=ticket["bytes"]) == {"ok": True, "sha256": later_sha}
         src.request("DELETE", f"/v1/reads/{ticket['readId']}")
         assert src.request("POST", "/v1/objects/later/free", {"waitFence": True})[1]["fenced"]
     finally:
