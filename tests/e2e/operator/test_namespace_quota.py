@@ -181,3 +181,11 @@ def test_two_pods_of_a_namespace_over_its_quota_the_second_put_is_refused_and_fr
     wait_object(gpuobj_cluster, namespace, "again", lambda o: o and (o.get("status") or {}).get("state") == "Ready")
     second.run("again.release(); client.flush(30)")
     wait_object(gpuobj_cluster, namespace, "again", lambda o: o is None)
+
+    # The per-pod quota, next to it, refuses before anything is stored, through the same error.
+    tiny = pods.workload("tiny", env={**env, "GPUOBJ_MAX_STORE_BYTES": str(4 * KIB)})
+    tiny.run(REFUSED.format(call="client.put([torch.ones(16384, dtype=torch.float32)], name='big'); client.flush(30)"))
+    hierarchy, kind, message = tiny.eval("outcome")
+    assert hierarchy and kind == "QuotaExceededError" and "quota" in message, (kind, message)
+    agent_http.assert_holds_nothing(pods.endpoint("tiny"), token)
+    assert wait_object(gpuobj_cluster, namespace, "big", lambda o: True, timeout=1) is None
