@@ -10,7 +10,7 @@ OBJECT_BYTES = "gpuobj_object_bytes"  # gauge{state}
 CLAIMS = "gpuobj_claims"  # gauge
 LEAKED_BYTES = "gpuobj_leaked_bytes"  # gauge{namespace,pod}
 DEAD_HOLDER_BYTES = "gpuobj_dead_holder_bytes"  # gauge{namespace,pod}: the part of leaked bytes held by gone holders
-CLAIMS_DROPPED = "gpuobj_claims_dropped_total"  # counter{holder=pod|process|ttl}: gone holder, or TTL expired
+CLAIMS_DROPPED = "gpuobj_claims_dropped_total"  # counter{holder=pod|process|ttl|quota}
 RECLAIMED_BYTES = "gpuobj_reclaimed_bytes_total"  # counter{namespace}
 FREE_LATENCY = "gpuobj_free_latency_seconds"  # histogram: last reference gone -> agent ack
 FREES = "gpuobj_frees_total"  # counter{result}
@@ -20,6 +20,9 @@ CLAIMS_MARKER_WRITES = "gpuobj_claims_marker_writes_total"  # counter{result=wri
 LOST_OBJECTS = "gpuobj_lost_objects_total"  # counter
 AUDIT_RUNS = "gpuobj_audit_runs_total"  # counter{result}
 OPERATOR_LEADER = "gpuobj_operator_leader"  # gauge: 1 while this replica holds the leader lease
+NAMESPACE_QUOTA_BYTES = "gpuobj_namespace_quota_bytes"  # gauge{namespace}: the byte quota a platform team set
+NAMESPACE_USED_BYTES = "gpuobj_namespace_used_bytes"  # gauge{namespace}: bytes of its admitted GPUObjects
+QUOTA_REFUSALS = "gpuobj_quota_refusals_total"  # counter{namespace}: GPUObjects refused over the quota
 
 # Agent.
 AGENT_STORE_BYTES = "gpuobj_agent_store_bytes"  # gauge{device}

@@ -58,6 +58,8 @@ STATES = (STATE_PENDING, STATE_READY, STATE_RELEASING, STATE_LOST, STATE_FAILED)
 CONDITION_READY = "Ready"
 CONDITION_SOURCE_AVAILABLE = "SourceAvailable"
 CONDITION_RELEASED = "Released"
+# The Ready condition's reason (and the Event's) of a GPUObject its namespace's byte quota refused.
+REASON_QUOTA_EXCEEDED = "QuotaExceeded"
 
 # Dtypes a GPUObject may declare: torch dtype names without the "torch." prefix.
 DTYPES = tuple(DTYPE_BYTES)

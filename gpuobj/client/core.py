@@ -390,9 +390,14 @@ class ClientCore:
                         f"GPUObject {address.namespace}/{address.name} no longer exists (freed): {exc}"
                     ) from exc
                 status = crd.GPUObjectStatus.from_json(obj.get("status"))
-                if status.state == names.STATE_LOST or time.monotonic() >= deadline:
+                if status.state in (names.STATE_LOST, names.STATE_FAILED) or time.monotonic() >= deadline:
                     break
                 await asyncio.sleep(0.25)
+            refused = status.condition(names.CONDITION_READY) if status.state == names.STATE_FAILED else None
+            if refused is not None and refused.reason == names.REASON_QUOTA_EXCEEDED:
+                raise errors.QuotaExceededError(
+                    f"GPUObject {address.namespace}/{address.name} was refused and its bytes freed: {refused.message}"
+                ) from exc
             if status.state == names.STATE_LOST:
                 condition = status.condition(names.CONDITION_SOURCE_AVAILABLE)
                 reason = condition.message if condition is not None else "source gone"

@@ -57,6 +57,11 @@ class LeaseExpiredError(ReleasedHandleError):
     handle no longer reads (not even bytes still in the source's memory); borrow or adopt a new one."""
 
 
+class QuotaExceededError(GpuObjError):
+    """A byte quota refused the object: the pod's (`GPUOBJ_MAX_STORE_BYTES`: nothing was stored) or its
+    namespace's (the chart's `quota.namespaces`: the operator marked it Failed and freed its bytes)."""
+
+
 class PermissionDeniedError(GpuObjError, PermissionError):
     """The API server refused this pod's identity (401/403): its ServiceAccount lacks a role."""
 
@@ -117,6 +122,8 @@ def agent_error(exc: BaseException, *, what: str) -> BaseException:
 
     if isinstance(exc, agent_errors.BadRequest):
         return InvalidTensorError(f"{what}: {exc}")
+    if isinstance(exc, agent_errors.QuotaExceeded):
+        return QuotaExceededError(f"{what}: {exc}")
     if isinstance(exc, agent_errors.AgentError):
         return GpuObjError(f"{what}: {exc}")
     return translate(exc, what=what)

@@ -42,7 +42,13 @@ from gpuobj_operator.actions import (
 )
 from gpuobj_operator.ledger import Ledger, SourceVerdict, StreamTally, is_lost
 from gpuobj_operator.model import ClaimInfo, Key, ObjectInfo
-from gpuobj_operator.statuses import desired_claim_status, desired_object_status, desired_stream_status
+from gpuobj_operator.quota import REASON as QUOTA_EXCEEDED
+from gpuobj_operator.statuses import (
+    desired_claim_status,
+    desired_object_status,
+    desired_stream_status,
+    refused_object_status,
+)
 
 
 def decide_object(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
@@ -54,9 +60,12 @@ def decide_object(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
     if verdict.unknown:
         return [LookupPod(obj.namespace, obj.source_pod)]
     claims = ledger.live_claims(obj)
+    refusal = ledger.quota.refusal(obj)
     if obj.deleting:
         if not obj.finalized:
             return []  # not ours to hold; the API server removes it
+        if claims and refusal:
+            return _drop_claims(claims, refusal)  # a refused object's claims hold nothing it may keep
         if claims:
             return _status_actions(obj, verdict, claims, now)
         if ledger.siblings(obj):
@@ -67,12 +76,15 @@ def decide_object(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
             ]
         if verdict.available and obj.materialized:
             pod = verdict.pod
-            return [Free(obj.key, obj.uid, obj.object_id, pod.endpoint, obj.bytes, "OutOfScope", pod.uid)]  # type: ignore[union-attr,arg-type]
+            why = QUOTA_EXCEEDED if refusal else "OutOfScope"
+            return [Free(obj.key, obj.uid, obj.object_id, pod.endpoint, obj.bytes, why, pod.uid)]  # type: ignore[union-attr,arg-type]
         if verdict.reason == "AgentEndpointUnknown" and obj.materialized:
             return _status_actions(obj, verdict, claims, now)  # wait for the pod's address
         return [ReleaseWithoutFree(obj.key, obj.uid, verdict.reason if not verdict.available else "NeverMaterialized")]
     if not obj.finalized:
         return [AddFinalizer(obj.key, obj.uid)]
+    if refusal:
+        return _refuse(obj, verdict, claims, refusal, now)
     if obj.stream:
         stream = ledger.streams.get((obj.namespace, obj.stream[0]))
         if stream is None or stream.deleting:
@@ -97,6 +109,27 @@ def decide_object(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
     if obj.declared and not obj.materialized and verdict.available and obj.state != names.STATE_FAILED:
         return [Materialize(obj.key, obj.uid, verdict.pod.endpoint, obj.object_id, verdict.pod.uid)]  # type: ignore[union-attr]
     return _status_actions(obj, verdict, claims, now)
+
+
+def _refuse(
+    obj: ObjectInfo, verdict: SourceVerdict, claims: list[ClaimInfo], why: str, now: dt.datetime
+) -> list[Action]:
+    """Over its namespace's quota (quota.py): Failed and announced; bytes already stored are freed (the
+    object and its claims deleted). A declared object is never materialized: nothing was allocated."""
+    actions: list[Action] = []
+    if obj.state != names.STATE_FAILED:
+        status = refused_object_status(obj, verdict, claims, reason=QUOTA_EXCEEDED, message=why, now=now)
+        actions += [
+            PatchObjectStatus(obj.key, status),
+            Emit("GPUObject", obj.key, obj.uid, "Warning", QUOTA_EXCEEDED, why),
+        ]
+    if obj.materialized:
+        actions += [*_drop_claims(claims, why), DeleteObject(obj.key, obj.uid, QUOTA_EXCEEDED, why)]
+    return actions
+
+
+def _drop_claims(claims: list[ClaimInfo], why: str) -> list[Action]:
+    return [DeleteClaim(c.key, c.uid, f"its GPUObject was refused: {why}", holder="quota") for c in claims]
 
 
 def _status_actions(obj: ObjectInfo, verdict: SourceVerdict, claims: list[ClaimInfo], now: dt.datetime) -> list[Action]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from gpuobj_contract import names
 from gpuobj_operator.liveness import Liveness
 from gpuobj_operator.model import ClaimInfo, ContainerRun, Key, ObjectInfo, PodInfo, StreamInfo
+from gpuobj_operator.quota import QuotaBook
 
 
 @dataclass
@@ -92,6 +93,8 @@ class Ledger:
     # records of a dead process are dropped, never on a probe older than the record.
     liveness: Liveness = field(default_factory=Liveness)
     learned_at: dict[str, float] = field(default_factory=dict)
+    # Each namespace's running sum of bytes against its quota (quota.py), kept on every object event.
+    quota: QuotaBook = field(default_factory=QuotaBook)
 
     # ------------------------------------------------------------ updates; each returns the keys to reconcile
 
@@ -104,6 +107,7 @@ class Ledger:
         self.objects[obj.key] = obj
         self.learned_at.setdefault(obj.uid, now)
         self._index_object(obj)
+        self.quota.observe(obj)
         self._note_reference_count(obj, now)
         dirty = {("object", obj.key)} | {("claim", c) for c in self._claims_by_object.get(obj.key, ())}
         if obj.stream:
@@ -115,6 +119,7 @@ class Ledger:
         if current is None or current.uid != obj.uid:
             return set()
         self._unindex_object(current)
+        self.quota.forget(current)
         del self.objects[obj.key]
         self.learned_at.pop(obj.uid, None)
         self.ref_gone_at.pop(obj.key, None)

@@ -16,7 +16,10 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import MappingProxyType
+from typing import TypeVar
 
 import kopf
 import prometheus_client
@@ -34,10 +37,12 @@ from gpuobj_operator.events import EventRecorder
 from gpuobj_operator.leader import Backoff, LeaderElector, LeaseConfig
 from gpuobj_operator.metrics import OperatorMetrics
 from gpuobj_operator.progress_marker import MarkerMisconfigured, ProgressMarker, marker_namespace, marker_writer
+from gpuobj_operator.quota import QuotaLimits, parse_bytes, parse_namespace_quota
 from gpuobj_operator.reconciler import LABEL_AGENT_SELECTOR, Reconciler
 from gpuobj_operator.settings import Settings
 
 log = logging.getLogger("gpuobj.operator")
+T = TypeVar("T")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,8 +117,36 @@ def build_parser() -> argparse.ArgumentParser:
         "with --namespace (it would show in users' kubectl get gpuobj: owner-last frees read their claims "
         "instead). The chart grants it (docs/operator-free-path.md)",
     )
+    p.add_argument(
+        "--namespace-quota",
+        action="append",
+        type=_flag(parse_namespace_quota),
+        default=[],
+        metavar="NAMESPACE=BYTES",
+        help="the most bytes of GPUObjects a namespace may hold, across its pods (e.g. team-a=8Gi); repeat per "
+        "namespace. An object over it is refused: Failed (QuotaExceeded, with an Event) and its bytes freed",
+    )
+    p.add_argument(
+        "--default-namespace-quota",
+        type=_flag(parse_bytes),
+        default=None,
+        metavar="BYTES",
+        help="the quota of every namespace --namespace-quota does not name (default: none)",
+    )
     p.add_argument("--log-level", default=env("GPUOBJ_LOG_LEVEL", "INFO"))
     return p
+
+
+def _flag(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """A parser for argparse: its ValueError's message becomes the usage error."""
+
+    def parsed(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parsed
 
 
 class HealthServer:
@@ -212,6 +245,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         status_delay=args.status_delay,
         liveness_interval=args.liveness_interval,
         claims_read_delay=read_delay,
+        quota=QuotaLimits(MappingProxyType(dict(args.namespace_quota)), args.default_namespace_quota),
     )
 
 

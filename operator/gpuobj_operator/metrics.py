@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gpuobj_contract import metric_names as m
@@ -23,7 +23,7 @@ class LedgerCollector(Collector):
     def __init__(self, ledger: Callable[[], Ledger]) -> None:
         self._ledger = ledger
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         ledger = self._ledger()
         objects = GaugeMetricFamily(m.OBJECTS, "GPUObjects by state", labels=["state"])
         sizes = GaugeMetricFamily(m.OBJECT_BYTES, "Bytes of GPUObjects by state", labels=["state"])
@@ -35,6 +35,30 @@ class LedgerCollector(Collector):
         yield objects
         yield sizes
         yield claims
+        yield from _quota_families(ledger)
+
+
+def _quota_families(ledger: Ledger) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Per namespace: its quota, what it holds and what was refused (quota.py's running sums, O(namespaces))."""
+    book = ledger.quota
+    quota = GaugeMetricFamily(m.NAMESPACE_QUOTA_BYTES, "Byte quota of the namespace's GPUObjects", labels=["namespace"])
+    used = GaugeMetricFamily(
+        m.NAMESPACE_USED_BYTES,
+        "Bytes of the namespace's admitted GPUObjects (counted against its quota)",
+        labels=["namespace"],
+    )
+    refused = CounterMetricFamily(
+        m.QUOTA_REFUSALS.removesuffix("_total"), "GPUObjects refused over their namespace's quota", labels=["namespace"]
+    )
+    for namespace in sorted(set(book.limits.namespaces) | set(book.used) | set(book.refusals)):
+        limit = book.limits.limit(namespace)
+        if limit is not None:
+            quota.add_metric([namespace], limit)
+        used.add_metric([namespace], book.used.get(namespace, 0))
+        refused.add_metric([namespace], book.refusals.get(namespace, 0))
+    yield quota
+    yield used
+    yield refused
 
 
 class OperatorMetrics:
@@ -94,7 +118,7 @@ class OperatorMetrics:
         for result in ("freed", "noop", "agent-gone", "source-lost"):
             self.frees.labels(result)
         self.free_failures.labels("unreachable")
-        for holder in ("pod", "process", "ttl"):
+        for holder in ("pod", "process", "ttl", "quota"):
             self.claims_dropped.labels(holder)
         for result in ("ok", "error"):
             self.audits.labels(result)

@@ -50,6 +50,7 @@ from gpuobj_operator.ledger import Ledger
 from gpuobj_operator.metrics import OperatorMetrics
 from gpuobj_operator.model import Key, ObjectInfo, PodInfo
 from gpuobj_operator.prober import Prober
+from gpuobj_operator.quota import QuotaBook
 from gpuobj_operator.settings import Settings
 from gpuobj_operator.workqueue import WorkQueue
 
@@ -77,7 +78,7 @@ class Reconciler:
     ) -> None:
         self.settings = settings = settings or Settings()
         self.kube, self.agents, self.metrics, self.events = kube, agents, metrics, events
-        self.ledger = Ledger()
+        self.ledger = Ledger(quota=QuotaBook(settings.quota))
         # Retries back off to 5 s at most: after an API outage every item is tried again within seconds.
         self.queue = WorkQueue(max_delay=5.0)
         self.expected = Expectations()
@@ -293,7 +294,7 @@ class Reconciler:
         except (NotFound, Conflict):
             return
         self.metrics.claims_dropped.labels(a.holder).inc()
-        reason = "Expired" if a.holder == "ttl" else "HolderGone"
+        reason = {"ttl": "Expired", "quota": "QuotaExceeded"}.get(a.holder, "HolderGone")
         self._emit("GPUObjectClaim", a.key, a.uid, "Normal", reason, a.reason)
 
     async def _do_Requeue(self, a: Requeue) -> None:

@@ -3,7 +3,9 @@ its free path, its prober and the auditor run with. Defaults are the production 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from gpuobj_operator.quota import QuotaLimits
 
 
 @dataclass(frozen=True)
@@ -22,3 +24,5 @@ class Settings:
     probe_timeout: float = 2.0
     # Seconds a free waits for the claims watch before it also reads the claims (docs/operator-free-path.md).
     claims_read_delay: float = 0.05
+    # Byte quotas per namespace (quota.py; chart values quota.namespaces and quota.default).
+    quota: QuotaLimits = field(default_factory=QuotaLimits)

@@ -80,6 +80,16 @@ def failed_status(*, generation: int, reason: str, message: str, now: str) -> di
     }
 
 
+def refused_object_status(
+    obj: ObjectInfo, verdict: SourceVerdict, claims: list[ClaimInfo], *, reason: str, message: str, now: dt.datetime
+) -> dict:
+    """An object the operator refuses (e.g. over its namespace's quota): Failed, with the counts and
+    conditions the ledger derives and the refusal as the Ready condition (what `kubectl get` shows)."""
+    failed = failed_status(generation=obj.generation, reason=reason, message=message, now=now_str(now))
+    held = dataclasses.replace(obj, status={**obj.status, **failed})
+    return desired_object_status(held, verdict, claims, now)
+
+
 def agent_lost_object_status(*, pod_uid: str, generation: int, message: str, now: str) -> dict:
     """The source agent (audited) no longer holds the object, e.g. it restarted: Lost."""
     return {

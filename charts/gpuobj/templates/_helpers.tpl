@@ -157,3 +157,11 @@ request.userInfo.username in ['system:serviceaccount:kube-system:generic-garbage
 {{- define "gpuobj.admission.finalizerRemoved" -}}
 request.operation == 'UPDATE' && has(oldObject.metadata.finalizers) && 'gpuobj.io/free' in oldObject.metadata.finalizers && !(has(object.metadata.finalizers) && 'gpuobj.io/free' in object.metadata.finalizers)
 {{- end -}}
+
+{{/*
+A byte quantity as the operator's flags take it: a string as written (8Gi), a number as a whole number
+(YAML numbers reach templates as floats, which would print as 8.589934592e+09).
+*/}}
+{{- define "gpuobj.bytes" -}}
+{{- if kindIs "string" . }}{{ . }}{{ else }}{{ int64 . }}{{ end }}
+{{- end }}

@@ -123,6 +123,9 @@ class Demo:
                     "1",
                     "--leak-grace",
                     str(self.leak_grace),
+                    # A platform team's byte quota for the namespace, far above what the demo holds.
+                    "--namespace-quota",
+                    f"{NAMESPACE}=4Gi",
                 ],
             )
             self.stack.callback(op.stop)

@@ -167,6 +167,24 @@ def rows() -> tuple[RowSpec, ...]:
                 units.Short,
                 (Query(f"sum({m.CLAIMS})", "claims"),),
             ),
+            PanelSpec(
+                "Namespace bytes and quotas",
+                "Bytes of each namespace's admitted GPUObjects against the byte quota a platform team set for it "
+                "(chart values quota.namespaces, quota.default). A used line at its quota line refuses new puts.",
+                units.BytesIEC,
+                (
+                    Query(f"max by (namespace) ({m.NAMESPACE_USED_BYTES})", "{{namespace}} used"),
+                    Query(f"max by (namespace) ({m.NAMESPACE_QUOTA_BYTES})", "{{namespace}} quota"),
+                ),
+            ),
+            PanelSpec(
+                "Objects refused over quota",
+                "GPUObjects refused per second because their namespace would exceed its byte quota: each is Failed "
+                "(reason QuotaExceeded, with an Event) and its bytes freed. Raise the quota or find the namespace "
+                "that keeps objects it no longer uses.",
+                units.OpsPerSecond,
+                (Query(q.rate(m.QUOTA_REFUSALS, "namespace"), "{{namespace}}"),),
+            ),
         ),
     )
     frees = RowSpec(

@@ -114,7 +114,9 @@ async def clean_up(cluster: ClusterHandle, namespace: str) -> None:
 def test_every_operator_panel_and_rule_query_answers_from_the_real_operator(
     gpuobj_cluster: ClusterHandle, token_file: Path, namespace: str
 ) -> None:
-    operator = start_operator(gpuobj_cluster, token_file, namespace).wait_ready()
+    # A namespace quota (far above what this scenario holds), so the quota panel has its series.
+    quota = ["--namespace-quota", f"{namespace}=1Gi"]
+    operator = start_operator(gpuobj_cluster, token_file, namespace, extra=quota).wait_ready()
     address = urlsplit(operator.metrics_url).netloc
     try:
         with Prometheus({OPERATOR_JOB: [address]}, target_labels={address: OPERATOR_TARGET_LABELS}) as prom:

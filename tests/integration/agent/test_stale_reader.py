@@ -20,6 +20,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,78 @@ def test_a_stale_reader_gets_a_clean_error_and_the_source_keeps_serving(make_pro
         assert got == {"ok": True, "sha256": raw_sha(*objects["other"])}
         src.request("DELETE", f"/v1/reads/{ticket['readId']}")
         assert src.request("POST", "/v1/objects/other/free", {"waitFence": True})[1]["fenced"]
+    finally:
+        reader.close()
+    settle(src.stats)
+
+
+@pytest.mark.parametrize("size", ["small", "big"])
+def test_a_replay_after_the_free_reads_that_object_until_the_fence_and_never_a_later_one(
+    make_process, record_property, size
+):
+    """Issue 21 (item 5): the bound on a raw reader that kept an object's keys after its last reference went.
+
+    The free here is the one the operator sends when a claim is released (no waitFence): the agent answers
+    at once and fences on its own schedule. The reader replays its old metadata and descriptors in a loop
+    while a later object of the same size is put in the source: every replay that reads returns the freed
+    object's own bytes, never the later one's, until the fence ends them. The time from the free to the
+    first failed replay is the measured bound (reported, docs/security.md), not asserted.
+    """
+    src = make_process(f"fence-{size}", workload=True)
+    layout = TensorLayout((4096,) if size == "small" else (64 << 20,), "uint8", "cpu")
+    status, body = src.request("POST", "/v1/test/put", {"id": "old", "tensors": [layout.to_json()], "seed": 1})
+    assert status == 200, body
+    reader = RawReader(f"replay-{size}", {}, "thread")
+    try:
+        status, ticket = src.request("POST", "/v1/objects/old/reads", {"reader": "raw"})
+        assert status == 200, ticket
+        assert reader.call(op="load", metadata=ticket["agentMetadata"])["ok"]
+        replay = {"op": "read", "agent": ticket["nixlAgent"], "descriptors": ticket["descriptors"]}
+        replay["nbytes"] = ticket["bytes"]
+        assert reader.call(**replay) == {"ok": True, "sha256": raw_sha(layout, 1)}
+        assert src.request("DELETE", f"/v1/reads/{ticket['readId']}")[1]["valid"]
+
+        old_sha, later_sha = raw_sha(layout, 1), raw_sha(layout, 2)
+        freed_at = time.monotonic()
+        status, freed = src.request("POST", "/v1/objects/old/free", {})
+        assert status == 200 and freed["freed"], freed
+        # The later object is allocated while the replays run (a thread), as a busy source would.
+        later: list[tuple[int, dict]] = []
+        put = threading.Thread(
+            target=lambda: later.append(
+                src.request("POST", "/v1/test/put", {"id": "later", "tensors": [layout.to_json()], "seed": 2})
+            )
+        )
+        put.start()
+        reads, last_read = 0, 0.0
+        while True:
+            started = time.monotonic() - freed_at
+            got = reader.call(**replay)
+            after = time.monotonic() - freed_at
+            if not got["ok"]:
+                assert "NIXL_ERR" in got["error"], got
+                break
+            assert got["sha256"] != later_sha, "a replay read the later object's bytes"
+            assert got["sha256"] == old_sha, got
+            reads, last_read = reads + 1, after
+            assert after < 60, f"the replay still read {after:.1f}s after the free: no fence"
+        put.join(60)
+        assert later and later[0][0] == 200, later
+        figure = (
+            f"{size} ({layout.nbytes} B): {reads} replays read the freed object's own bytes, the last done "
+            f"{last_read:.3f}s after the free; the first refused replay started {started:.3f}s and failed "
+            f"{after:.3f}s after it"
+        )
+        print(f"\nfence bound, {figure}")
+        record_property("fence_bound_seconds", round(after, 3))
+        assert src.alive()
+        status, ticket = src.request("POST", "/v1/objects/later/reads", {"reader": "raw"})
+        assert status == 200, ticket
+        assert reader.call(op="load", metadata=ticket["agentMetadata"])["ok"]
+        fresh = {"op": "read", "agent": ticket["nixlAgent"], "descriptors": ticket["descriptors"]}
+        assert reader.call(**fresh, nbytes=ticket["bytes"]) == {"ok": True, "sha256": later_sha}
+        src.request("DELETE", f"/v1/reads/{ticket['readId']}")
+        assert src.request("POST", "/v1/objects/later/free", {"waitFence": True})[1]["fenced"]
     finally:
         reader.close()
     settle(src.stats)

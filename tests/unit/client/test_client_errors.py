@@ -32,6 +32,7 @@ from gpuobj_kube.config import KubeConfigError
         (TimeoutError(), errors.GpuObjTimeoutError, TimeoutError),
         (KubeConfigError("no kubeconfig"), errors.ConfigurationError, None),
         (agent_errors.BadRequest("not contiguous"), errors.InvalidTensorError, ValueError),
+        (agent_errors.QuotaExceeded("over the pod's quota"), errors.QuotaExceededError, None),
     ],
 )
 def test_errors_from_below_become_gpuobj_errors(exc: Exception, expected: type, also: type | None) -> None:

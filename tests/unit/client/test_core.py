@@ -119,6 +119,25 @@ def test_put_then_release_records_the_object_then_deletes_it_and_nothing_is_held
     run(body)
 
 
+def test_a_handle_whose_object_its_namespace_quota_refused_fails_with_quota_exceeded() -> None:
+    """The operator marks an object over its namespace's quota Failed (QuotaExceeded) and frees it; the
+    real run is tests/e2e/operator/test_namespace_quota.py."""
+
+    async def body(core: ClientCore, agent: Agent, api: Api) -> None:
+        ref = await core.put([torch.ones(4)], name="w")
+        agent.objects.pop(ref.address.object_id)  # freed by the operator
+        ready = {"type": "Ready", "status": "False", "reason": "QuotaExceeded", "message": "over team-a's quota"}
+        ready["lastTransitionTime"] = "2026-12-02T12:00:00Z"
+        api.items[("gpuobjects", "w")]["status"] = {"state": "Failed", "conditions": [ready]}
+        with pytest.raises(errors.QuotaExceededError, match="over team-a's quota"):
+            await core.fetch(ref)
+        del api.items[("gpuobjects", "w")]  # then the record goes
+        with pytest.raises(errors.ObjectNotFoundError):
+            await core.fetch(ref)
+
+    run(body)
+
+
 def test_a_put_whose_record_fails_frees_its_bytes() -> None:
     async def body(core: ClientCore, agent: Agent, api: Api) -> None:
         async def refuse(*_: object) -> dict:
