@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable
+from typing import Any
 
 from gpuobj_contract import names
 from gpuobj_contract.agent_api import Inventory, InventoryItem
@@ -94,8 +95,10 @@ def decide_object(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
         if not claims:
             actions.append(DeleteObject(obj.key, obj.uid, "Lost", f"{verdict.message}; no claim remains"))
         return actions
-    if obj.declared and not obj.materialized and verdict.available and obj.state != names.STATE_FAILED:
-        return [Materialize(obj.key, obj.uid, verdict.pod.endpoint, obj.object_id, verdict.pod.uid)]  # type: ignore[union-attr]
+    pod = verdict.pod  # an available source has a pod with an endpoint (Ledger.source_verdict)
+    materialize = obj.declared and not obj.materialized and verdict.available and obj.state != names.STATE_FAILED
+    if materialize and pod is not None and pod.endpoint:
+        return [Materialize(obj.key, obj.uid, pod.endpoint, obj.object_id, pod.uid)]
     return _status_actions(obj, verdict, claims, now)
 
 
@@ -196,6 +199,6 @@ def decide(ledger: Ledger, kind: str, key: Key, now: dt.datetime) -> list[Action
     return decider(ledger, key, now)
 
 
-def _status_differs(current: dict, desired: dict) -> bool:
+def _status_differs(current: dict[str, Any], desired: dict[str, Any]) -> bool:
     """Compare what we would write with what is there, ignoring keys we do not manage."""
     return any(current.get(k) != v for k, v in desired.items())

@@ -9,7 +9,9 @@ cache/snapshot habit). Each update returns the keys whose decision may change.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from gpuobj_contract import names
 from gpuobj_operator.liveness import Liveness
@@ -48,11 +50,15 @@ class StreamTally:
             self.live_bytes += sign * item.bytes
 
 
-def _add(index: dict, key, value) -> None:
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+def _add(index: dict[K, set[V]], key: K, value: V) -> None:
     index.setdefault(key, set()).add(value)
 
 
-def _discard(index: dict, key, value) -> None:
+def _discard(index: dict[K, set[V]], key: K, value: V) -> None:
     members = index.get(key)
     if members is not None:
         members.discard(value)

@@ -7,7 +7,9 @@ them directly and the parsing rules (which field means what) live in one place.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpuobj_contract import names
 from gpuobj_contract.layouts import tensor_bytes
@@ -60,7 +62,7 @@ class ObjectInfo:
     name: str
     uid: str
     source_pod: str
-    tensors: list[dict]
+    tensors: list[dict[str, Any]]
     source_pod_uid: str | None = None
     spec_incarnation: str | None = None  # spec.source.incarnation: the agent process that put it
     spec_object_id: str | None = None
@@ -72,7 +74,7 @@ class ObjectInfo:
     finalizers: tuple[str, ...] = ()
     generation: int = 1
     resource_version: str = ""
-    status: dict = field(default_factory=dict)
+    status: dict[str, Any] = field(default_factory=dict)
     created: dt.datetime | None = None  # metadata.creationTimestamp (the API server's clock)
 
     @property
@@ -133,7 +135,7 @@ class ClaimInfo:
     shared_by: str | None = None  # annotation gpuobj.io/shared-by: the pod that claimed for the holder
     deleting: bool = False
     resource_version: str = ""
-    status: dict = field(default_factory=dict)
+    status: dict[str, Any] = field(default_factory=dict)
 
     @property
     def key(self) -> Key:
@@ -153,7 +155,7 @@ class StreamInfo:
     consumed: int = 0
     deleting: bool = False
     finalized: bool = False
-    status: dict = field(default_factory=dict)
+    status: dict[str, Any] = field(default_factory=dict)
 
     @property
     def key(self) -> Key:
@@ -163,8 +165,9 @@ class StreamInfo:
 # ---------------------------------------------------------------- parsing
 
 
-def _meta(obj: dict) -> dict:
-    return obj.get("metadata", {})
+def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    meta: Mapping[str, Any] = obj.get("metadata", {})
+    return meta
 
 
 def _timestamp(value: str | None) -> dt.datetime | None:
@@ -176,7 +179,7 @@ def _timestamp(value: str | None) -> dt.datetime | None:
         return None
 
 
-def parse_pod(obj: dict, *, allow_host_annotation: bool = False) -> PodInfo:
+def parse_pod(obj: Mapping[str, Any], *, allow_host_annotation: bool = False) -> PodInfo:
     """The pod's agent is at its own status.podIP: the operator's token goes nowhere else. Only a
     dev cluster without a pod network (allow_host_annotation) may name another host by annotation."""
     meta = _meta(obj)
@@ -202,16 +205,17 @@ def parse_pod(obj: dict, *, allow_host_annotation: bool = False) -> PodInfo:
     )
 
 
-def _agent_container_name(spec: dict) -> str | None:
+def _agent_container_name(spec: Mapping[str, Any]) -> str | None:
     """The container that serves the agent port (the workload embeds the agent), else the first one."""
     containers = spec.get("containers") or []
     for container in containers:
         if any(p.get("name") == names.AGENT_PORT_NAME for p in container.get("ports") or []):
-            return container.get("name")
+            name: str | None = container.get("name")
+            return name
     return containers[0].get("name") if containers else None
 
 
-def _run(container_id: str | None, state: dict | None) -> ContainerRun | None:
+def _run(container_id: str | None, state: Mapping[str, Any] | None) -> ContainerRun | None:
     if not container_id:
         return None
     state = state or {}
@@ -225,7 +229,7 @@ def _run(container_id: str | None, state: dict | None) -> ContainerRun | None:
     return ContainerRun(container_id)
 
 
-def parse_agent_container(obj: dict) -> AgentContainer | None:
+def parse_agent_container(obj: Mapping[str, Any]) -> AgentContainer | None:
     """Reads status.containerStatuses[name] of the agent's container: restartCount, containerID,
     state.running.startedAt, state.terminated.{containerID,startedAt,finishedAt} and
     lastState.terminated.{containerID,startedAt,finishedAt}. Nothing else."""
@@ -245,7 +249,7 @@ def parse_agent_container(obj: dict) -> AgentContainer | None:
     )
 
 
-def parse_object(obj: dict) -> ObjectInfo:
+def parse_object(obj: Mapping[str, Any]) -> ObjectInfo:
     meta, spec = _meta(obj), obj.get("spec") or {}
     stream = spec.get("stream")
     source = spec.get("source") or {}
@@ -271,7 +275,7 @@ def parse_object(obj: dict) -> ObjectInfo:
     )
 
 
-def parse_claim(obj: dict) -> ClaimInfo:
+def parse_claim(obj: Mapping[str, Any]) -> ClaimInfo:
     meta, spec = _meta(obj), obj.get("spec") or {}
     owners = {
         ref["name"]: ref["uid"]
@@ -296,7 +300,7 @@ def parse_claim(obj: dict) -> ClaimInfo:
     )
 
 
-def parse_stream(obj: dict) -> StreamInfo:
+def parse_stream(obj: Mapping[str, Any]) -> StreamInfo:
     meta, spec = _meta(obj), obj.get("spec") or {}
     status = obj.get("status") or {}
     return StreamInfo(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 from dataclasses import dataclass
+from typing import Any
 
 from gpuobj_contract import names
 from gpuobj_operator.ledger import SourceVerdict, StreamTally, is_lost
@@ -21,8 +22,8 @@ def now_str(now: dt.datetime) -> str:
 
 
 def condition(
-    existing: list[dict], ctype: str, status: str, reason: str, message: str, generation: int, now: str
-) -> dict:
+    existing: list[dict[str, Any]], ctype: str, status: str, reason: str, message: str, generation: int, now: str
+) -> dict[str, Any]:
     """A condition in the API conventions' shape; the transition time moves only when status does."""
     previous = next((c for c in existing if c.get("type") == ctype), None)
     since = previous["lastTransitionTime"] if previous and previous.get("status") == status else now
@@ -36,7 +37,7 @@ def condition(
     }
 
 
-def materialized_status(*, object_id: str, pod_uid: str, endpoint: str, incarnation: str) -> dict:
+def materialized_status(*, object_id: str, pod_uid: str, endpoint: str, incarnation: str) -> dict[str, Any]:
     """A declared object its source agent now holds (the ledger then derives Ready and its conditions)."""
     return {
         "state": names.STATE_READY,
@@ -56,7 +57,7 @@ def materialized_object_status(
     endpoint: str,
     incarnation: str,
     now: dt.datetime,
-) -> dict:
+) -> dict[str, Any]:
     """The one status write that makes a declared object Ready: the agent's answer together with the
     counts and conditions the ledger derives (else BYTES and REFS show blank until a second write)."""
     answer = materialized_status(object_id=object_id, pod_uid=pod_uid, endpoint=endpoint, incarnation=incarnation)
@@ -64,7 +65,7 @@ def materialized_object_status(
     return {**desired_object_status(held, verdict, claims, now), **answer}
 
 
-def pending_status(*, generation: int, reason: str, message: str, now: str) -> dict:
+def pending_status(*, generation: int, reason: str, message: str, now: str) -> dict[str, Any]:
     """Waiting on the source (e.g. the key is not published yet): retried."""
     return {
         "state": names.STATE_PENDING,
@@ -72,7 +73,7 @@ def pending_status(*, generation: int, reason: str, message: str, now: str) -> d
     }
 
 
-def failed_status(*, generation: int, reason: str, message: str, now: str) -> dict:
+def failed_status(*, generation: int, reason: str, message: str, now: str) -> dict[str, Any]:
     """The source agent refused to materialize the object: not retried."""
     return {
         "state": names.STATE_FAILED,
@@ -80,7 +81,7 @@ def failed_status(*, generation: int, reason: str, message: str, now: str) -> di
     }
 
 
-def agent_lost_object_status(*, pod_uid: str, generation: int, message: str, now: str) -> dict:
+def agent_lost_object_status(*, pod_uid: str, generation: int, message: str, now: str) -> dict[str, Any]:
     """The source agent (audited) no longer holds the object, e.g. it restarted: Lost."""
     return {
         "state": names.STATE_LOST,
@@ -92,7 +93,9 @@ def agent_lost_object_status(*, pod_uid: str, generation: int, message: str, now
     }
 
 
-def desired_object_status(obj: ObjectInfo, verdict: SourceVerdict, claims: list[ClaimInfo], now: dt.datetime) -> dict:
+def desired_object_status(
+    obj: ObjectInfo, verdict: SourceVerdict, claims: list[ClaimInfo], now: dt.datetime
+) -> dict[str, Any]:
     """A GPUObject's status as the ledger sees it: state, counts, the Ready and SourceAvailable conditions."""
     stamp = now_str(now)
     existing = obj.status.get("conditions", [])
@@ -168,7 +171,7 @@ def desired_object_status(obj: ObjectInfo, verdict: SourceVerdict, claims: list[
 
 def desired_claim_status(
     claim: ClaimInfo, obj: ObjectInfo | None, verdict: SourceVerdict | None, now: dt.datetime
-) -> dict:
+) -> dict[str, Any]:
     """A claim's status: Bound to its object, Lost with it, or Pending until it exists.
 
     ``obj`` None: no GPUObject of the claimed name and uid exists (any more); ``verdict`` is then unused.
@@ -182,7 +185,7 @@ def desired_claim_status(
             if lost
             else ("Pending", "ObjectNotFound", f"GPUObject {claim.object_name} does not exist (yet)")
         )
-        desired = {
+        desired: dict[str, Any] = {
             "state": state,
             "conditions": [condition(existing, "Bound", "False", reason, message, 1, stamp)],
         }
@@ -206,7 +209,7 @@ def desired_claim_status(
     return desired
 
 
-def desired_stream_status(stream: StreamInfo, tally: StreamTally) -> dict:
+def desired_stream_status(stream: StreamInfo, tally: StreamTally) -> dict[str, Any]:
     """A stream's counters: items emitted (never decreasing), live items and their bytes (ledger.StreamTally)."""
     return {
         "observedGeneration": 1,
@@ -221,7 +224,7 @@ class AfterMaterializeError:
     """What follows an agent's refusal to materialize: the status to write; ``retry`` (why) when the
     object waits for its key to be published, else the Warning's ``reason`` (it failed for good)."""
 
-    status: dict
+    status: dict[str, Any]
     retry: str = ""
     reason: str = ""
 
