@@ -4,7 +4,8 @@ Why: the CRD schemas (crds/) are the one source of the API's fields, and the cli
 reader and the operator all read and write them. Spelled as dict keys in each, a renamed or
 misspelled field failed late (a KeyError, or worse a silent default). Here each spec and status is
 a frozen dataclass; `from_json` reads what the API server returns (unknown fields are ignored:
-a newer schema may add some) and `to_json` writes what is sent (None and empty lists left out).
+a newer schema may add some) and `to_json` writes what is sent (an optional field's None or empty
+list left out; a required field always written, even empty: a 0-d tensor's shape is []).
 A unit test (tests/unit/contract/test_resources.py) pins every class to its CRD schema: each
 property of the schema has a field here and each field a property, with the same type and the
 same required-ness, so neither side can change alone.
@@ -109,7 +110,8 @@ class Shape:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type,unused-ignore]
             value = getattr(self, f.name)
-            if value is None or value == ():
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            if not required and (value is None or value == ()):
                 continue
             out[json_name(f)] = _encode(value)
         return out

@@ -104,7 +104,7 @@ def decide_object(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
 
 def _status_actions(obj: ObjectInfo, verdict: SourceVerdict, claims: list[ClaimInfo], now: dt.datetime) -> list[Action]:
     desired = desired_object_status(obj, verdict, claims, now)
-    if _status_differs(obj.status, desired):
+    if _status_differs(obj.status.to_json(), desired):
         return [PatchObjectStatus(obj.key, desired)]
     return []
 
@@ -143,7 +143,7 @@ def decide_claim(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
         if verdict.unknown:
             return [*actions, LookupPod(obj.namespace, obj.source_pod)]
         desired = desired_claim_status(claim, obj, verdict, now)
-    if _status_differs(claim.status, desired):
+    if _status_differs(claim.status.to_json(), desired):
         actions.append(PatchClaimStatus(claim.key, desired))
     return actions
 
@@ -167,7 +167,8 @@ def decide_stream(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
         endpoint = producer.endpoint if producer and not producer.terminated else None
         return [FinishStream(stream.key, stream.uid, endpoint, producer.uid if endpoint and producer else "")]
     desired = desired_stream_status(stream, tally)
-    current = {k: stream.status.get(k) for k in desired}
+    written = stream.status.to_json()
+    current = {k: written.get(k) for k in desired}
     if current != desired:
         return [PatchStreamStatus(stream.key, desired)]
     return []

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuobj_contract import names
+from gpuobj_contract import resources as crd
 from gpuobj_contract.layouts import tensor_bytes
 
 Key = tuple[str, str]  # (namespace, name)
@@ -74,7 +75,7 @@ class ObjectInfo:
     finalizers: tuple[str, ...] = ()
     generation: int = 1
     resource_version: str = ""
-    status: dict[str, Any] = field(default_factory=dict)
+    status: crd.GPUObjectStatus = field(default_factory=crd.GPUObjectStatus)
     created: dt.datetime | None = None  # metadata.creationTimestamp (the API server's clock)
 
     @property
@@ -100,7 +101,7 @@ class ObjectInfo:
         """The source agent holds the bytes (library puts always; declared objects once acknowledged)."""
         if not self.declared:
             return True
-        return self.status.get("objectId") == self.uid and self.status.get("state") in (
+        return self.status.object_id == self.uid and self.status.state in (
             names.STATE_READY,
             names.STATE_RELEASING,
             names.STATE_LOST,
@@ -108,7 +109,7 @@ class ObjectInfo:
 
     @property
     def state(self) -> str | None:
-        return self.status.get("state")
+        return self.status.state
 
     @property
     def source_incarnation(self) -> str | None:
@@ -116,7 +117,8 @@ class ObjectInfo:
         if self.spec_incarnation:
             return self.spec_incarnation
         if self.declared and self.materialized:
-            return (self.status.get("transport") or {}).get("agentIncarnation") or None
+            transport = self.status.transport
+            return (transport.agent_incarnation if transport else None) or None
         return None
 
 
@@ -135,7 +137,7 @@ class ClaimInfo:
     shared_by: str | None = None  # annotation gpuobj.io/shared-by: the pod that claimed for the holder
     deleting: bool = False
     resource_version: str = ""
-    status: dict[str, Any] = field(default_factory=dict)
+    status: crd.GPUObjectClaimStatus = field(default_factory=crd.GPUObjectClaimStatus)
 
     @property
     def key(self) -> Key:
@@ -155,7 +157,7 @@ class StreamInfo:
     consumed: int = 0
     deleting: bool = False
     finalized: bool = False
-    status: dict[str, Any] = field(default_factory=dict)
+    status: crd.GPUObjectStreamStatus = field(default_factory=crd.GPUObjectStreamStatus)
 
     @property
     def key(self) -> Key:
@@ -250,33 +252,32 @@ def parse_agent_container(obj: Mapping[str, Any]) -> AgentContainer | None:
 
 
 def parse_object(obj: Mapping[str, Any]) -> ObjectInfo:
-    meta, spec = _meta(obj), obj.get("spec") or {}
-    stream = spec.get("stream")
-    source = spec.get("source") or {}
+    """Spec and status through the contract's shapes (ValueError for a body the CRD schema refuses)."""
+    meta, spec = _meta(obj), crd.GPUObjectSpec.from_json(obj.get("spec"))
     return ObjectInfo(
         namespace=meta["namespace"],
         name=meta["name"],
         uid=meta["uid"],
-        source_pod=source.get("podName", ""),
-        source_pod_uid=source.get("podUID"),
-        spec_incarnation=source.get("incarnation") or None,
-        tensors=list(spec.get("tensors") or []),
-        spec_object_id=spec.get("objectId"),
-        key_name=spec.get("key"),
-        shared_with=tuple(spec.get("sharedWith") or ()),
-        stream=(stream["name"], int(stream["index"])) if stream else None,
+        source_pod=spec.source.pod_name,
+        source_pod_uid=spec.source.pod_uid,
+        spec_incarnation=spec.source.incarnation or None,
+        tensors=[t.to_json() for t in spec.tensors],
+        spec_object_id=spec.object_id,
+        key_name=spec.key,
+        shared_with=spec.shared_with,
+        stream=(spec.stream.name, spec.stream.index) if spec.stream else None,
         deleting=bool(meta.get("deletionTimestamp")),
         finalized=names.FINALIZER_FREE in (meta.get("finalizers") or []),
         finalizers=tuple(meta.get("finalizers") or ()),
         generation=int(meta.get("generation", 1)),
         resource_version=meta.get("resourceVersion", ""),
-        status=dict(obj.get("status") or {}),
+        status=crd.GPUObjectStatus.from_json(obj.get("status")),
         created=_timestamp(meta.get("creationTimestamp")),
     )
 
 
 def parse_claim(obj: Mapping[str, Any]) -> ClaimInfo:
-    meta, spec = _meta(obj), obj.get("spec") or {}
+    meta, spec = _meta(obj), crd.GPUObjectClaimSpec.from_json(obj.get("spec"))
     owners = {
         ref["name"]: ref["uid"]
         for ref in meta.get("ownerReferences") or []
@@ -286,30 +287,30 @@ def parse_claim(obj: Mapping[str, Any]) -> ClaimInfo:
         namespace=meta["namespace"],
         name=meta["name"],
         uid=meta["uid"],
-        object_name=spec.get("objectName", ""),
-        object_uid=spec.get("objectUID"),
-        holder_pod=(spec.get("holder") or {}).get("podName"),
-        holder_incarnation=(spec.get("holder") or {}).get("incarnation") or None,
-        ttl_seconds=int(spec["ttlSeconds"]) if spec.get("ttlSeconds") else None,
+        object_name=spec.object_name,
+        object_uid=spec.object_uid,
+        holder_pod=spec.holder.pod_name if spec.holder else None,
+        holder_incarnation=(spec.holder.incarnation if spec.holder else None) or None,
+        ttl_seconds=spec.ttl_seconds or None,
         created=_timestamp(meta.get("creationTimestamp")),
         owner_pods=owners,
         shared_by=(meta.get("annotations") or {}).get(names.ANNOTATION_SHARED_BY),
         deleting=bool(meta.get("deletionTimestamp")),
         resource_version=meta.get("resourceVersion", ""),
-        status=dict(obj.get("status") or {}),
+        status=crd.GPUObjectClaimStatus.from_json(obj.get("status")),
     )
 
 
 def parse_stream(obj: Mapping[str, Any]) -> StreamInfo:
-    meta, spec = _meta(obj), obj.get("spec") or {}
-    status = obj.get("status") or {}
+    meta, spec = _meta(obj), crd.GPUObjectStreamSpec.from_json(obj.get("spec"))
+    status = crd.GPUObjectStreamStatus.from_json(obj.get("status"))
     return StreamInfo(
         namespace=meta["namespace"],
         name=meta["name"],
         uid=meta["uid"],
-        producer_pod=(spec.get("producer") or {}).get("podName", ""),
-        consumed=int(status.get("consumed", 0)),
+        producer_pod=spec.producer.pod_name,
+        consumed=status.consumed or 0,
         deleting=bool(meta.get("deletionTimestamp")),
         finalized=names.FINALIZER_FREE in (meta.get("finalizers") or []),
-        status=dict(status),
+        status=status,
     )
