@@ -1,7 +1,9 @@
 """Plain records of what the API says, parsed once at the edge.
 
 Why: the ledger and the decisions work on these, never on raw dicts, so their unit tests build
-them directly and the parsing rules (which field means what) live in one place.
+them directly and the parsing rules (which field means what) live in one place. The CRD kinds are
+read through the contract's typed shapes (gpuobj_contract.resources, pinned to crds/), never by
+spelling their field names here; pods and metadata are Kubernetes' own and read as they are.
 """
 
 from __future__ import annotations
