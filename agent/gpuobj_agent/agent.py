@@ -203,15 +203,7 @@ class Agent:
         )
 
     # -- views -------------------------------------------------------------------------
-    def identity(self) -> dict[str, Any]:
-        return {
-            "pod": self.config.pod_name,
-            "namespace": self.config.namespace,
-            "podUID": self.config.pod_uid,
-            "incarnation": self.incarnation,
-        }
-
-    def info(self) -> dict[str, Any]:
+    def info(self) -> api.AgentInfo:
         active = self.nixl.gens.active
         c = self.config
         return api.AgentInfo(
@@ -223,10 +215,13 @@ class Agent:
             nixl_agents=tuple(self.nixl.gens.live_names()),
             started_at=iso_time(self.started_wall),
             endpoint=self.endpoint,
-        ).to_json()
+        )
 
-    def inventory(self) -> dict[str, Any]:
-        return {**self.identity(), "objects": self.store.inventory_objects()}
+    def inventory(self) -> api.Inventory:
+        c = self.config
+        return api.Inventory(
+            c.pod_name, c.namespace, c.pod_uid, self.incarnation, tuple(self.store.inventory_objects())
+        )
 
     def stats(self) -> dict[str, Any]:
         """Counts a test asserts on at the end: nothing held, everything balanced."""

@@ -206,7 +206,7 @@ class AgentRuntime:
         return await self.agent.fetcher.fetch(endpoint, object_id, device=device, token=token, timeout=timeout)
 
     async def _inventory(self) -> dict[str, Any]:
-        return self.agent.inventory()
+        return self.agent.inventory().to_json()
 
     async def _stats(self) -> dict[str, Any]:
         return self.agent.stats()

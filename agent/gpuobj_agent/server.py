@@ -12,6 +12,7 @@ unknown objects on read paths a 404, and no user input can produce a 500 or chan
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -99,9 +100,9 @@ class Served(Protocol):
     @property
     def handoff_sink(self) -> Callable[[str, str], Awaitable[bool]] | None: ...  # (claim, releasing pod)
 
-    def info(self) -> dict[str, Any]: ...
+    def info(self) -> api.AgentInfo: ...
 
-    def inventory(self) -> dict[str, Any]: ...
+    def inventory(self) -> api.Inventory: ...
 
 
 MAX_BODY = 1 << 20
@@ -257,13 +258,13 @@ class Routes:
         )
 
     async def info(self, request: web.Request) -> web.Response:
-        return web.json_response(self.agent.info())
+        return web.json_response(self.agent.info().to_json())
 
     async def inventory(self, request: web.Request) -> web.Response:
         """Everything, or one page of it (`limit`, `continue`: gpuobj_contract.agent_api.MAX_INVENTORY_PAGE)."""
         answer = self.agent.inventory()
         if "limit" not in request.query and "continue" not in request.query:
-            return web.json_response(answer)
+            return web.json_response(answer.to_json())
         limit = _query_int(request, "limit", 1, api.MAX_INVENTORY_PAGE, default=api.INVENTORY_PAGE)
         after: tuple[str, str] | None = None
         if "continue" in request.query:
@@ -271,13 +272,14 @@ class Routes:
                 after = api.parse_inventory_token(request.query["continue"])
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
-        ordered = sorted(answer["objects"], key=api.inventory_order)
+        ordered = sorted(answer.objects, key=api.inventory_order)
         start = 0 if after is None else bisect.bisect_right(ordered, after, key=api.inventory_order)
         page = ordered[start : start + limit]
-        answer["objects"] = page
-        if start + limit < len(ordered):
-            answer["continue"] = api.inventory_token(page[-1])
-        return web.json_response(answer)
+        more = start + limit < len(ordered)
+        answer = dataclasses.replace(
+            answer, objects=tuple(page), continue_token=api.inventory_token(page[-1]) if more else ""
+        )
+        return web.json_response(answer.to_json())
 
     async def get_object(self, request: web.Request) -> web.Response:
         return web.json_response(self.store.describe(check_id(request.match_info["id"])))

@@ -695,20 +695,22 @@ class ObjectStore:
         else:
             self._record_pending.discard(object_id)
 
-    def inventory_objects(self) -> list[dict[str, Any]]:
+    def inventory_objects(self) -> list[api.InventoryItem]:
         now = self._clock()
-        out = []
-        for obj in sorted(self.objects.values(), key=lambda o: o.created_mono):
-            item = obj.describe()
-            item.update(
-                {
-                    "devices": obj.devices,
-                    "ageSeconds": round(now - obj.created_mono, 3),
-                    "inflightReads": self.tickets.inflight(object_id=obj.object_id),
-                    "key": obj.key,
-                    "freeing": obj.freeing is not None,
-                    "recordPending": obj.object_id in self._record_pending,
-                }
+        return [
+            api.InventoryItem(
+                id=obj.object_id,
+                bytes=obj.nbytes,
+                age_seconds=round(now - obj.created_mono, 3),
+                stream=obj.stream,
+                stream_index=obj.stream_index,
+                key=obj.key,
+                inflight_reads=self.tickets.inflight(object_id=obj.object_id),
+                freeing=obj.freeing is not None,
+                record_pending=obj.object_id in self._record_pending,
+                tensors=tuple(obj.layouts),
+                created_at=iso_time(obj.created_wall),
+                devices=tuple(obj.devices),
             )
-            out.append(item)
-        return out
+            for obj in sorted(self.objects.values(), key=lambda o: o.created_mono)
+        ]

@@ -303,6 +303,24 @@ class InventoryItem:
     # referenced by a live handle, so the audit never reclaims it (operator/gpuobj_operator/audit.py).
     record_pending: bool = False
     tensors: tuple[TensorLayout, ...] = ()
+    created_at: str = ""  # RFC 3339 with milliseconds: with the id, its place in the pages (inventory_order)
+    devices: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "bytes": self.bytes,
+            "tensors": [t.to_json() for t in self.tensors],
+            "createdAt": self.created_at,
+            "stream": self.stream,
+            "streamIndex": self.stream_index,
+            "devices": list(self.devices),
+            "ageSeconds": self.age_seconds,
+            "inflightReads": self.inflight_reads,
+            "key": self.key,
+            "freeing": self.freeing,
+            "recordPending": self.record_pending,
+        }
 
     @classmethod
     def from_json(cls, o: dict[str, Any]) -> InventoryItem:
@@ -317,6 +335,8 @@ class InventoryItem:
             freeing=bool(o.get("freeing", False)),
             record_pending=bool(o.get("recordPending", False)),
             tensors=tuple(TensorLayout.from_json(t, "tensor") for t in o.get("tensors", [])),
+            created_at=str(o.get("createdAt", "")),
+            devices=tuple(str(d) for d in o.get("devices") or ()),
         )
 
 
@@ -327,14 +347,16 @@ MAX_INVENTORY_PAGE = 5000
 INVENTORY_PAGE = 1000  # what the operator asks for: a 10,000-object store is ten answers of ~300 KB
 
 
-def inventory_order(item: dict[str, Any]) -> tuple[str, str]:
+def inventory_order(item: InventoryItem | dict[str, Any]) -> tuple[str, str]:
     """Where an object stands in the inventory's pages: its creation time, then its id. Both are fixed
     for the object's life, so an object held while the pages are read is on exactly one of them, however
     many others come and go meanwhile (a page boundary is a position in this order, not an offset)."""
+    if isinstance(item, InventoryItem):
+        return (item.created_at, item.id)
     return (str(item.get("createdAt", "")), str(item.get("id", "")))
 
 
-def inventory_token(item: dict[str, Any]) -> str:
+def inventory_token(item: InventoryItem | dict[str, Any]) -> str:
     """The `continue` token after ``item``: its place in inventory_order."""
     created, object_id = inventory_order(item)
     return f"{created}|{object_id}"
@@ -359,6 +381,18 @@ class Inventory:
     incarnation: str
     objects: tuple[InventoryItem, ...] = field(default_factory=tuple)
     continue_token: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "pod": self.pod,
+            "namespace": self.namespace,
+            "podUID": self.pod_uid,
+            "incarnation": self.incarnation,
+            "objects": [o.to_json() for o in self.objects],
+        }
+        if self.continue_token:
+            out["continue"] = self.continue_token
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Inventory:

@@ -7,6 +7,7 @@ through a table from type to executor; neither needs the other's module to name 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from gpuobj_operator.model import Key
 
@@ -70,13 +71,13 @@ class DeleteObject(Action):
 @dataclass(frozen=True)
 class PatchObjectStatus(Action):
     key: Key
-    status: dict
+    status: dict[str, Any]
 
 
 @dataclass(frozen=True)
 class PatchClaimStatus(Action):
     key: Key
-    status: dict
+    status: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ class Requeue(Action):
 @dataclass(frozen=True)
 class PatchStreamStatus(Action):
     key: Key
-    status: dict
+    status: dict[str, Any]
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import dataclasses
 import errno
 import json
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import aiohttp
@@ -24,6 +25,7 @@ import aiohttp
 from gpuobj_contract import agent_api as api
 from gpuobj_contract import names
 from gpuobj_contract.agent_api import (
+    AgentInfo,
     FreeAnswer,
     FreeRequest,
     Inventory,
@@ -103,9 +105,9 @@ class AgentClient:
         path: str,
         *,
         pod_uid: str,
-        body: dict | None = None,
+        body: dict[str, Any] | None = None,
         timeout: float | None = None,
-    ) -> dict:
+    ) -> dict[str, Any]:
         if not pod_uid:
             raise AgentError(409, f"no pod uid to hold the agent at {endpoint} to; refusing to call it")
         url = f"http://{endpoint}{path}"
@@ -170,8 +172,10 @@ class AgentClient:
             token = part.continue_token
         raise AgentError(502, f"the agent at {endpoint} answered more than {MAX_INVENTORY_PAGES} inventory pages")
 
-    async def info(self, endpoint: str, *, pod_uid: str, timeout: float | None = None) -> dict:
-        return await self._call(api.INFO, endpoint, api.INFO.path(), pod_uid=pod_uid, timeout=timeout)
+    async def info(self, endpoint: str, *, pod_uid: str, timeout: float | None = None) -> AgentInfo:
+        return AgentInfo.from_json(
+            await self._call(api.INFO, endpoint, api.INFO.path(), pod_uid=pod_uid, timeout=timeout)
+        )
 
     async def materialize(
         self, endpoint: str, object_id: str, request: MaterializeRequest, *, pod_uid: str

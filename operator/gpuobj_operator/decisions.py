@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable
+from typing import Any
 
 from gpuobj_contract import names
 from gpuobj_contract.agent_api import Inventory, InventoryItem
@@ -106,8 +107,10 @@ def decide_object(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
         if not claims:
             actions.append(DeleteObject(obj.key, obj.uid, "Lost", f"{verdict.message}; no claim remains"))
         return actions
-    if obj.declared and not obj.materialized and verdict.available and obj.state != names.STATE_FAILED:
-        return [Materialize(obj.key, obj.uid, verdict.pod.endpoint, obj.object_id, verdict.pod.uid)]  # type: ignore[union-attr]
+    pod = verdict.pod  # an available source has a pod with an endpoint (Ledger.source_verdict)
+    materialize = obj.declared and not obj.materialized and verdict.available and obj.state != names.STATE_FAILED
+    if materialize and pod is not None and pod.endpoint:
+        return [Materialize(obj.key, obj.uid, pod.endpoint, obj.object_id, pod.uid)]
     return _status_actions(obj, verdict, claims, now)
 
 
@@ -134,7 +137,7 @@ def _drop_claims(claims: list[ClaimInfo], why: str) -> list[Action]:
 
 def _status_actions(obj: ObjectInfo, verdict: SourceVerdict, claims: list[ClaimInfo], now: dt.datetime) -> list[Action]:
     desired = desired_object_status(obj, verdict, claims, now)
-    if _status_differs(obj.status, desired):
+    if _status_differs(obj.status.to_json(), desired):
         return [PatchObjectStatus(obj.key, desired)]
     return []
 
@@ -173,7 +176,7 @@ def decide_claim(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
         if verdict.unknown:
             return [*actions, LookupPod(obj.namespace, obj.source_pod)]
         desired = desired_claim_status(claim, obj, verdict, now)
-    if _status_differs(claim.status, desired):
+    if _status_differs(claim.status.to_json(), desired):
         actions.append(PatchClaimStatus(claim.key, desired))
     return actions
 
@@ -197,7 +200,8 @@ def decide_stream(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
         endpoint = producer.endpoint if producer and not producer.terminated else None
         return [FinishStream(stream.key, stream.uid, endpoint, producer.uid if endpoint and producer else "")]
     desired = desired_stream_status(stream, tally)
-    current = {k: stream.status.get(k) for k in desired}
+    written = stream.status.to_json()
+    current = {k: written.get(k) for k in desired}
     if current != desired:
         return [PatchStreamStatus(stream.key, desired)]
     return []
@@ -229,6 +233,6 @@ def decide(ledger: Ledger, kind: str, key: Key, now: dt.datetime) -> list[Action
     return decider(ledger, key, now)
 
 
-def _status_differs(current: dict, desired: dict) -> bool:
+def _status_differs(current: dict[str, Any], desired: dict[str, Any]) -> bool:
     """Compare what we would write with what is there, ignoring keys we do not manage."""
     return any(current.get(k) != v for k, v in desired.items())

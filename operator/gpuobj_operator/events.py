@@ -12,6 +12,7 @@ import contextlib
 import datetime as dt
 import logging
 import time
+from typing import Any
 
 from gpuobj_kube.client import EVENTS, ApiError, KubeClient
 
@@ -35,8 +36,8 @@ class EventRecorder:
         self.kube = kube
         self.component = component
         self.instance = instance
-        self._queue: asyncio.Queue[dict] = asyncio.Queue(maxsize=capacity)
-        self._task: asyncio.Task | None = None
+        self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=capacity)
+        self._task: asyncio.Task[None] | None = None
         self.dropped = 0
 
     def start(self) -> None:

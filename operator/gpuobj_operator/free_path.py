@@ -12,18 +12,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpuobj_contract import names
-from gpuobj_kube.client import CLAIMS, GPUOBJECTS, Conflict, Gone, Invalid, KubeClient, NotFound
+from gpuobj_kube.client import CLAIMS, GPUOBJECTS, Conflict, Gone, Invalid, KubeClient, NotFound, Resource
 from gpuobj_operator import claimcheck
 from gpuobj_operator.actions import Free, ReleaseWithoutFree
 from gpuobj_operator.agent_client import AgentClient, AgentError, AgentGone, AgentUnreachable
 from gpuobj_operator.expectations import Expectations
 from gpuobj_operator.ledger import Ledger
 from gpuobj_operator.metrics import OperatorMetrics
-from gpuobj_operator.model import Key, parse_claim
+from gpuobj_operator.model import ClaimInfo, Key, parse_claim
 from gpuobj_operator.progress_marker import ProgressMarker
 from gpuobj_operator.settings import Settings
 from gpuobj_operator.workqueue import WorkQueue
@@ -35,10 +35,10 @@ class RetryLater(Exception):
     """The action could not complete now; requeue with backoff."""
 
 
-def is_marker(raw: dict) -> bool:
+def is_marker(raw: Mapping[str, Any]) -> bool:
     """A progress marker (progress_marker.py): a claim of that name is never a reference, in any
     namespace (admission lets any ServiceAccount create one in its shape: it must grant nothing)."""
-    return raw.get("metadata", {}).get("name") == names.CLAIMS_PROGRESS_MARKER
+    return bool(raw.get("metadata", {}).get("name") == names.CLAIMS_PROGRESS_MARKER)
 
 
 Emit = Callable[[str, Key, str, str, str, str], None]
@@ -57,7 +57,7 @@ class FreePath:
         kube: KubeClient,
         agents: AgentClient,
         metrics: OperatorMetrics,
-        queue: WorkQueue,
+        queue: WorkQueue[tuple[str, Key]],
         expected: Expectations,
         settings: Settings,
         emit: Emit,
@@ -156,7 +156,7 @@ class FreePath:
             message = f"agent at {a.endpoint} is gone; its memory went with it"
         self.emit("GPUObject", a.key, a.uid, "Normal", "Freed", message)
 
-    async def _check_claims(self, key: Key, uid: str, seen_rv: str | None) -> tuple[claimcheck.Plan, list]:
+    async def _check_claims(self, key: Key, uid: str, seen_rv: str | None) -> tuple[claimcheck.Plan, list[ClaimInfo]]:
         """Claims that still hold the object as of ``seen_rv``, and how that was learned (claimcheck.py).
 
         Behind the decision, the in-order claims watch usually passes it within milliseconds while
@@ -168,7 +168,7 @@ class FreePath:
         self.metrics.claims_checks.labels(how.counted).inc()
         return how, blocking
 
-    async def _learn_claims(self, key: Key, uid: str, seen_rv: str | None) -> tuple[claimcheck.Plan, list]:
+    async def _learn_claims(self, key: Key, uid: str, seen_rv: str | None) -> tuple[claimcheck.Plan, list[ClaimInfo]]:
         how = claimcheck.plan(seen_rv, self.claims_watermark)
         if how is claimcheck.Plan.LEDGER:
             return how, []
@@ -179,7 +179,7 @@ class FreePath:
         passed = self.claims_watermark.reached(seen_rv)
         if self.progress_marker is not None:
             self.progress_marker.request(seen_rv)
-        read: asyncio.Task | None = None
+        read: asyncio.Future[list[ClaimInfo]] | None = None
         try:
             if self._claims_reads.seconds > 0:
                 with contextlib.suppress(TimeoutError):
@@ -187,7 +187,8 @@ class FreePath:
             if not passed.done():
                 started = time.monotonic()
                 read = asyncio.ensure_future(self._read_claims(key, seen_rv))
-                await asyncio.wait({passed, read}, return_when=asyncio.FIRST_COMPLETED)
+                either: set[asyncio.Future[Any]] = {passed, read}
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
                 if read.done() and not read.cancelled() and read.exception() is None:
                     self._claims_reads.observe(time.monotonic() - started)
             if passed.done() and not passed.cancelled():
@@ -202,7 +203,7 @@ class FreePath:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await read
 
-    def _decide_again_once_applied(self, key: Key, claims: list) -> None:
+    def _decide_again_once_applied(self, key: Key, claims: list[ClaimInfo]) -> None:
         """Re-decide the object once the claims watch has applied these claims' versions (the ledger
         then knows them, or their deletion); without a watch to wait on, after a second."""
         revisions = [int(c.resource_version) for c in claims if c.resource_version.isdigit()]
@@ -212,7 +213,7 @@ class FreePath:
         applied = self.claims_watermark.reached(str(max(revisions)))
         applied.add_done_callback(lambda f: None if f.cancelled() else self.queue.add(("object", key), urgent=True))
 
-    async def _read_claims(self, key: Key, at: str | None) -> list:
+    async def _read_claims(self, key: Key, at: str | None) -> list[ClaimInfo]:
         """The object's claims at exactly ``at`` (or, without it or once compacted away, a consistent read)."""
         selector = f"spec.objectName={key[1]}"
         if at:
@@ -236,7 +237,7 @@ class FreePath:
         self.metrics.frees.labels("source-lost").inc()
         self.emit("GPUObject", a.key, a.uid, "Normal", "Released", f"nothing to free: {a.reason}")
 
-    async def remove_finalizer(self, res, key: Key, uid: str, known: tuple[str, ...] | None = None) -> bool:
+    async def remove_finalizer(self, res: Resource, key: Key, uid: str, known: tuple[str, ...] | None = None) -> bool:
         """Remove gpuobj.io/free, testing uid and position so a concurrent change is never clobbered.
 
         ``known``: the finalizers the ledger last saw; when still right, no extra GET is needed.

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from gpuobj_contract import names
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, KubeClient
@@ -45,7 +46,7 @@ class Intake:
         self.settings = settings
         self.enqueue = enqueue
         self.enqueue_all = enqueue_all
-        self.listed: dict[str, tuple[str, list[dict]]] = {}  # kind -> (resourceVersion, stubs) of the sync
+        self.listed: dict[str, tuple[str, list[dict[str, Any]]]] = {}  # kind -> (resourceVersion, stubs) of the sync
 
     async def sync(self) -> None:
         """List every kind once before any decision: a free decided on a partial view could be wrong."""
@@ -83,7 +84,7 @@ class Intake:
 
     # ------------------------------------------------------------ event intake (from kopf handlers)
 
-    def on_object(self, event_type: str | None, raw: dict) -> None:
+    def on_object(self, event_type: str | None, raw: Mapping[str, Any]) -> None:
         info = parse_object(raw)
         now = time.monotonic()
         if event_type == "DELETED":
@@ -93,7 +94,7 @@ class Intake:
             # A deletion (the owner's reference went) is the free lane: ahead of status work.
             self.enqueue(self.ledger.upsert_object(info, now), urgent=info.deleting)
 
-    def on_claim(self, event_type: str | None, raw: dict) -> None:
+    def on_claim(self, event_type: str | None, raw: Mapping[str, Any]) -> None:
         if is_marker(raw):
             return  # its event moves the claims watermark (the informer does that); nothing to decide
         info = parse_claim(raw)
@@ -108,14 +109,14 @@ class Intake:
         if not gone and self.ledger.needs_scope(info) and self.ledger.holder_incarnation(info) is None:
             self.prober.probe_soon((info.namespace, info.holder_pod))  # type: ignore[arg-type]
 
-    def on_stream(self, event_type: str | None, raw: dict) -> None:
+    def on_stream(self, event_type: str | None, raw: Mapping[str, Any]) -> None:
         info = parse_stream(raw)
         self.enqueue(self.ledger.remove_stream(info) if event_type == "DELETED" else self.ledger.upsert_stream(info))
 
-    def parse_pod(self, raw: dict) -> PodInfo:
+    def parse_pod(self, raw: Mapping[str, Any]) -> PodInfo:
         return parse_pod(raw, allow_host_annotation=self.settings.allow_agent_host_annotation)
 
-    def on_pod(self, event_type: str | None, raw: dict) -> None:
+    def on_pod(self, event_type: str | None, raw: Mapping[str, Any]) -> None:
         info = self.parse_pod(raw)
         if event_type == "DELETED":
             self.ledger.liveness.forget(info.key)
@@ -127,10 +128,10 @@ class Intake:
         self.enqueue(self.ledger.remove_pod(info) if event_type == "DELETED" else self.ledger.upsert_pod(info))
 
 
-def _stub(raw: dict) -> dict:
+def _stub(raw: Mapping[str, Any]) -> dict[str, Any]:
     """What an informer must remember of a listed object to report its deletion: its identity."""
     meta = raw["metadata"]
-    stub = {"metadata": {k: meta[k] for k in ("namespace", "name", "uid") if k in meta}}
+    stub: dict[str, Any] = {"metadata": {k: meta[k] for k in ("namespace", "name", "uid") if k in meta}}
     if "spec" in raw and "objectName" in (raw["spec"] or {}):
         stub["spec"] = {"objectName": raw["spec"]["objectName"]}
     return stub

@@ -14,6 +14,7 @@ import datetime as dt
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from gpuobj_kube.client import LEASES, Conflict, KubeClient, NotFound
 
@@ -45,7 +46,7 @@ class LeaseConfig:
 
 
 def may_take(
-    spec: dict, identity: str, now: dt.datetime, default_seconds: int
+    spec: dict[str, Any], identity: str, now: dt.datetime, default_seconds: int
 ) -> tuple[dt.datetime | None, int] | None:
     """Whether ``identity`` may write the Lease now: None while another replica's lease runs, else the
     acquireTime to keep (None: a new term starts now) and the leaseTransitions to write.
@@ -86,7 +87,7 @@ class LeaderElector:
         self.is_leader = False
         self._held_until = float("-inf")  # monotonic: the lease is surely ours until then
 
-    def _spec(self, acquire: dt.datetime | None, transitions: int) -> dict:
+    def _spec(self, acquire: dt.datetime | None, transitions: int) -> dict[str, Any]:
         now = _now()
         return {
             "holderIdentity": self.config.identity,

@@ -9,7 +9,9 @@ cache/snapshot habit). Each update returns the keys whose decision may change.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from gpuobj_contract import names
 from gpuobj_operator.liveness import Liveness
@@ -49,11 +51,15 @@ class StreamTally:
             self.live_bytes += sign * item.bytes
 
 
-def _add(index: dict, key, value) -> None:
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+def _add(index: dict[K, set[V]], key: K, value: V) -> None:
     index.setdefault(key, set()).add(value)
 
 
-def _discard(index: dict, key, value) -> None:
+def _discard(index: dict[K, set[V]], key: K, value: V) -> None:
     members = index.get(key)
     if members is not None:
         members.discard(value)
@@ -293,20 +299,18 @@ class Ledger:
             return SourceVerdict(False, "Unknown", "source pod not looked up yet", unknown=True)
         if pod.deleted:
             return SourceVerdict(False, "SourcePodDeleted", f"source pod {obj.source_pod} was deleted", pod)
-        expected_uid = obj.source_pod_uid or (obj.status.get("sourcePodUID") if obj.materialized else None)
+        expected_uid = obj.source_pod_uid or (obj.status.source_pod_uid if obj.materialized else None)
         if expected_uid and pod.uid != expected_uid:
             return SourceVerdict(
                 False, "SourcePodReplaced", f"source pod {obj.source_pod} was recreated (uid {pod.uid})", pod
             )
         if pod.phase in ("Succeeded", "Failed"):
             return SourceVerdict(False, "SourcePodTerminated", f"source pod {obj.source_pod} is {pod.phase}", pod)
-        if obj.state == names.STATE_LOST and obj.status.get("sourcePodUID") == pod.uid:
+        if obj.state == names.STATE_LOST and obj.status.source_pod_uid == pod.uid:
             # The agent reported the bytes gone (audit); the pod itself is fine.
-            lost = next(
-                (c for c in obj.status.get("conditions", []) if c["type"] == names.CONDITION_SOURCE_AVAILABLE), None
-            )
-            if lost and lost["status"] == "False":
-                return SourceVerdict(False, lost["reason"], lost["message"], pod)
+            lost = obj.status.condition(names.CONDITION_SOURCE_AVAILABLE)
+            if lost and lost.status == "False":
+                return SourceVerdict(False, lost.reason, lost.message, pod)
         if obj.materialized and (gone := self.source_process_gone(obj, pod)):
             return SourceVerdict(False, *gone, pod)
         if not pod.endpoint:

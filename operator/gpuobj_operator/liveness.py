@@ -46,7 +46,7 @@ class AgentState:
     failures: int = 0  # consecutive probes that proved nothing (timeouts, errors)
     dead: set[str] = field(default_factory=set)  # incarnations seen alive, then replaced or gone
     # Incarnations in the order they answered: [incarnation, start of the last probe it answered].
-    answered: list[list] = field(default_factory=list)
+    answered: list[tuple[str, float]] = field(default_factory=list)
 
 
 HISTORY = 16  # incarnations remembered per pod for scoping; older ones only make a scope newer (safe)
@@ -122,9 +122,9 @@ class Liveness:
         state.refusals = state.failures = 0
         state.judged_at = max(state.judged_at, probe_started)
         if state.answered and state.answered[-1][0] == incarnation:
-            state.answered[-1][1] = max(state.answered[-1][1], probe_started)
+            state.answered[-1] = (incarnation, max(state.answered[-1][1], probe_started))
         else:
-            state.answered.append([incarnation, probe_started])
+            state.answered.append((incarnation, probe_started))
             del state.answered[:-HISTORY]
         return changed
 
@@ -199,7 +199,7 @@ class Liveness:
             return min(interval, CONFIRM_DELAY)
         slowest = max(interval, max_backoff)
         if state.failures:
-            return min(slowest, interval * 2**state.failures)
+            return min(slowest, interval * 2.0**state.failures)
         if state.gone:
             return min(slowest, interval * 2)
         return interval

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import kopf
 import prometheus_client
@@ -35,6 +35,7 @@ from gpuobj_operator.agent_client import AgentClient
 from gpuobj_operator.claimcheck import Watermark
 from gpuobj_operator.events import EventRecorder
 from gpuobj_operator.leader import Backoff, LeaderElector, LeaseConfig
+from gpuobj_operator.ledger import Ledger
 from gpuobj_operator.metrics import OperatorMetrics
 from gpuobj_operator.progress_marker import MarkerMisconfigured, ProgressMarker, marker_namespace, marker_writer
 from gpuobj_operator.quota import QuotaLimits, parse_bytes, parse_namespace_quota
@@ -161,7 +162,7 @@ class HealthServer:
     async def start(self) -> int:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/healthz", lambda _: web.json_response({"status": "ok", "state": self.state}))
+        app.router.add_get("/healthz", self._health)
         app.router.add_get("/readyz", self._ready)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -172,6 +173,9 @@ class HealthServer:
 
     async def _metrics(self, _: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "state": self.state})
 
     async def _ready(self, _: web.Request) -> web.Response:
         ok = self.state in ("leading", "standby")
@@ -188,7 +192,7 @@ def build_registry(reconciler: Reconciler, config: KubeConfig) -> kopf.OperatorR
     # Every handler is a coroutine: kopf runs a plain function in its thread pool, and these feed the
     # ledger and the work queue, which only the event loop may touch (tests/unit/operator/test_handlers.py).
     @kopf.on.login(registry=registry)
-    async def login(**_):
+    async def login(**_: Any) -> kopf.ConnectionInfo:
         # The same credentials as our own client (the `kubernetes` package's loaders: kubeconfig with exec
         # plugins or auth-providers, or in-cluster). kopf logs in again after a 401 or at `expiration`, and
         # each login loads the credentials anew (a new exec run, a re-read token file). The load may run
@@ -196,11 +200,11 @@ def build_registry(reconciler: Reconciler, config: KubeConfig) -> kopf.OperatorR
         return await asyncio.to_thread(_connection_info, config)
 
     @kopf.on.event(names.GROUP, names.VERSION, names.PLURAL_OBJECT, registry=registry)
-    async def on_object(event, **_):
+    async def on_object(event: kopf.RawEvent, **_: Any) -> None:
         reconciler.on_object(event["type"], event["object"])
 
     @kopf.on.event(names.GROUP, names.VERSION, names.PLURAL_STREAM, registry=registry)
-    async def on_stream(event, **_):
+    async def on_stream(event: kopf.RawEvent, **_: Any) -> None:
         reconciler.on_stream(event["type"], event["object"])
 
     return registry
@@ -364,7 +368,7 @@ async def lead(
     health: HealthServer,
     elector: LeaderElector,
     stop: asyncio.Event,
-    stopping: asyncio.Task,
+    stopping: asyncio.Task[bool],
     reconciler_box: list[Reconciler],
 ) -> str:
     """One term as leader: a fresh ledger from a fresh LIST, then kopf's watches, until the lease is
@@ -386,7 +390,7 @@ async def lead(
             on_write=lambda ok: metrics.claims_marker_writes.labels("written" if ok else "failed").inc(),
         )
     kopf_stop = asyncio.Event()
-    operator: asyncio.Task | None = None
+    operator: asyncio.Task[None] | None = None
     # Renew from the start: a sync that outlives the lease must not leave it to lapse.
     hold = asyncio.create_task(elector.hold())
     outcome = "stopped"
@@ -433,7 +437,8 @@ async def lead(
         done, _ = await asyncio.wait({operator, hold, stopping, *watches}, return_when=asyncio.FIRST_COMPLETED)
         if failed := [t for t in done & watches if not t.cancelled() and t.exception()]:
             # A watch failed for longer than it retries: say why (the real error), and end the process.
-            log.error("%s (caused by %r)", failed[0].exception(), failed[0].exception().__cause__)
+            error = failed[0].exception()
+            log.error("%s (caused by %r)", error, error and error.__cause__)
             outcome = "failed"
         elif hold in done and not hold.cancelled():
             reason = f": {hold.exception()!r}" if hold.exception() else ""
@@ -476,7 +481,7 @@ class TermStuck(Exception):
         self.parts = parts
 
 
-async def wind_down(task: asyncio.Future, seconds: float, *, cancel_first: bool = True) -> bool:
+async def wind_down(task: asyncio.Future[Any], seconds: float, *, cancel_first: bool = True) -> bool:
     """Stop ``task`` within ``seconds`` (cancelled at once, or after half of them if ``cancel_first`` is
     False, so it can stop on its own first); False if it is still running then. Never waits longer:
     a task that ignores its cancellation must not hang the replica (it would stand by, do nothing and
@@ -499,9 +504,7 @@ def _install_signal_handlers(stop: asyncio.Event) -> None:
             loop.add_signal_handler(sig, stop.set)
 
 
-def _empty_ledger():
-    from gpuobj_operator.ledger import Ledger
-
+def _empty_ledger() -> Ledger:
     return Ledger()
 
 
@@ -512,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         progress_marker_namespace(args)
     except MarkerMisconfigured as exc:
         parser.error(str(exc))
-    prometheus_client.disable_created_metrics()
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kopf").setLevel(logging.WARNING)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

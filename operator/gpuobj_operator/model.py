@@ -1,15 +1,20 @@
 """Plain records of what the API says, parsed once at the edge.
 
 Why: the ledger and the decisions work on these, never on raw dicts, so their unit tests build
-them directly and the parsing rules (which field means what) live in one place.
+them directly and the parsing rules (which field means what) live in one place. The CRD kinds are
+read through the contract's typed shapes (gpuobj_contract.resources, pinned to crds/), never by
+spelling their field names here; pods and metadata are Kubernetes' own and read as they are.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpuobj_contract import names
+from gpuobj_contract import resources as crd
 from gpuobj_contract.layouts import tensor_bytes
 
 Key = tuple[str, str]  # (namespace, name)
@@ -60,7 +65,7 @@ class ObjectInfo:
     name: str
     uid: str
     source_pod: str
-    tensors: list[dict]
+    tensors: list[dict[str, Any]]
     source_pod_uid: str | None = None
     spec_incarnation: str | None = None  # spec.source.incarnation: the agent process that put it
     spec_object_id: str | None = None
@@ -72,7 +77,7 @@ class ObjectInfo:
     finalizers: tuple[str, ...] = ()
     generation: int = 1
     resource_version: str = ""
-    status: dict = field(default_factory=dict)
+    status: crd.GPUObjectStatus = field(default_factory=crd.GPUObjectStatus)
     created: dt.datetime | None = None  # metadata.creationTimestamp (the API server's clock)
 
     @property
@@ -98,7 +103,7 @@ class ObjectInfo:
         """The source agent holds the bytes (library puts always; declared objects once acknowledged)."""
         if not self.declared:
             return True
-        return self.status.get("objectId") == self.uid and self.status.get("state") in (
+        return self.status.object_id == self.uid and self.status.state in (
             names.STATE_READY,
             names.STATE_RELEASING,
             names.STATE_LOST,
@@ -106,7 +111,7 @@ class ObjectInfo:
 
     @property
     def state(self) -> str | None:
-        return self.status.get("state")
+        return self.status.state
 
     @property
     def source_incarnation(self) -> str | None:
@@ -114,7 +119,8 @@ class ObjectInfo:
         if self.spec_incarnation:
             return self.spec_incarnation
         if self.declared and self.materialized:
-            return (self.status.get("transport") or {}).get("agentIncarnation") or None
+            transport = self.status.transport
+            return (transport.agent_incarnation if transport else None) or None
         return None
 
 
@@ -133,7 +139,7 @@ class ClaimInfo:
     shared_by: str | None = None  # annotation gpuobj.io/shared-by: the pod that claimed for the holder
     deleting: bool = False
     resource_version: str = ""
-    status: dict = field(default_factory=dict)
+    status: crd.GPUObjectClaimStatus = field(default_factory=crd.GPUObjectClaimStatus)
 
     @property
     def key(self) -> Key:
@@ -153,7 +159,7 @@ class StreamInfo:
     consumed: int = 0
     deleting: bool = False
     finalized: bool = False
-    status: dict = field(default_factory=dict)
+    status: crd.GPUObjectStreamStatus = field(default_factory=crd.GPUObjectStreamStatus)
 
     @property
     def key(self) -> Key:
@@ -163,8 +169,9 @@ class StreamInfo:
 # ---------------------------------------------------------------- parsing
 
 
-def _meta(obj: dict) -> dict:
-    return obj.get("metadata", {})
+def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    meta: Mapping[str, Any] = obj.get("metadata", {})
+    return meta
 
 
 def _timestamp(value: str | None) -> dt.datetime | None:
@@ -176,7 +183,7 @@ def _timestamp(value: str | None) -> dt.datetime | None:
         return None
 
 
-def parse_pod(obj: dict, *, allow_host_annotation: bool = False) -> PodInfo:
+def parse_pod(obj: Mapping[str, Any], *, allow_host_annotation: bool = False) -> PodInfo:
     """The pod's agent is at its own status.podIP: the operator's token goes nowhere else. Only a
     dev cluster without a pod network (allow_host_annotation) may name another host by annotation."""
     meta = _meta(obj)
@@ -202,16 +209,17 @@ def parse_pod(obj: dict, *, allow_host_annotation: bool = False) -> PodInfo:
     )
 
 
-def _agent_container_name(spec: dict) -> str | None:
+def _agent_container_name(spec: Mapping[str, Any]) -> str | None:
     """The container that serves the agent port (the workload embeds the agent), else the first one."""
     containers = spec.get("containers") or []
     for container in containers:
         if any(p.get("name") == names.AGENT_PORT_NAME for p in container.get("ports") or []):
-            return container.get("name")
+            name: str | None = container.get("name")
+            return name
     return containers[0].get("name") if containers else None
 
 
-def _run(container_id: str | None, state: dict | None) -> ContainerRun | None:
+def _run(container_id: str | None, state: Mapping[str, Any] | None) -> ContainerRun | None:
     if not container_id:
         return None
     state = state or {}
@@ -225,7 +233,7 @@ def _run(container_id: str | None, state: dict | None) -> ContainerRun | None:
     return ContainerRun(container_id)
 
 
-def parse_agent_container(obj: dict) -> AgentContainer | None:
+def parse_agent_container(obj: Mapping[str, Any]) -> AgentContainer | None:
     """Reads status.containerStatuses[name] of the agent's container: restartCount, containerID,
     state.running.startedAt, state.terminated.{containerID,startedAt,finishedAt} and
     lastState.terminated.{containerID,startedAt,finishedAt}. Nothing else."""
@@ -245,34 +253,33 @@ def parse_agent_container(obj: dict) -> AgentContainer | None:
     )
 
 
-def parse_object(obj: dict) -> ObjectInfo:
-    meta, spec = _meta(obj), obj.get("spec") or {}
-    stream = spec.get("stream")
-    source = spec.get("source") or {}
+def parse_object(obj: Mapping[str, Any]) -> ObjectInfo:
+    """Spec and status through the contract's shapes (ValueError for a body the CRD schema refuses)."""
+    meta, spec = _meta(obj), crd.GPUObjectSpec.from_json(obj.get("spec"))
     return ObjectInfo(
         namespace=meta["namespace"],
         name=meta["name"],
         uid=meta["uid"],
-        source_pod=source.get("podName", ""),
-        source_pod_uid=source.get("podUID"),
-        spec_incarnation=source.get("incarnation") or None,
-        tensors=list(spec.get("tensors") or []),
-        spec_object_id=spec.get("objectId"),
-        key_name=spec.get("key"),
-        shared_with=tuple(spec.get("sharedWith") or ()),
-        stream=(stream["name"], int(stream["index"])) if stream else None,
+        source_pod=spec.source.pod_name,
+        source_pod_uid=spec.source.pod_uid,
+        spec_incarnation=spec.source.incarnation or None,
+        tensors=[t.to_json() for t in spec.tensors],
+        spec_object_id=spec.object_id,
+        key_name=spec.key,
+        shared_with=spec.shared_with,
+        stream=(spec.stream.name, spec.stream.index) if spec.stream else None,
         deleting=bool(meta.get("deletionTimestamp")),
         finalized=names.FINALIZER_FREE in (meta.get("finalizers") or []),
         finalizers=tuple(meta.get("finalizers") or ()),
         generation=int(meta.get("generation", 1)),
         resource_version=meta.get("resourceVersion", ""),
-        status=dict(obj.get("status") or {}),
+        status=crd.GPUObjectStatus.from_json(obj.get("status")),
         created=_timestamp(meta.get("creationTimestamp")),
     )
 
 
-def parse_claim(obj: dict) -> ClaimInfo:
-    meta, spec = _meta(obj), obj.get("spec") or {}
+def parse_claim(obj: Mapping[str, Any]) -> ClaimInfo:
+    meta, spec = _meta(obj), crd.GPUObjectClaimSpec.from_json(obj.get("spec"))
     owners = {
         ref["name"]: ref["uid"]
         for ref in meta.get("ownerReferences") or []
@@ -282,30 +289,30 @@ def parse_claim(obj: dict) -> ClaimInfo:
         namespace=meta["namespace"],
         name=meta["name"],
         uid=meta["uid"],
-        object_name=spec.get("objectName", ""),
-        object_uid=spec.get("objectUID"),
-        holder_pod=(spec.get("holder") or {}).get("podName"),
-        holder_incarnation=(spec.get("holder") or {}).get("incarnation") or None,
-        ttl_seconds=int(spec["ttlSeconds"]) if spec.get("ttlSeconds") else None,
+        object_name=spec.object_name,
+        object_uid=spec.object_uid,
+        holder_pod=spec.holder.pod_name if spec.holder else None,
+        holder_incarnation=(spec.holder.incarnation if spec.holder else None) or None,
+        ttl_seconds=spec.ttl_seconds or None,
         created=_timestamp(meta.get("creationTimestamp")),
         owner_pods=owners,
         shared_by=(meta.get("annotations") or {}).get(names.ANNOTATION_SHARED_BY),
         deleting=bool(meta.get("deletionTimestamp")),
         resource_version=meta.get("resourceVersion", ""),
-        status=dict(obj.get("status") or {}),
+        status=crd.GPUObjectClaimStatus.from_json(obj.get("status")),
     )
 
 
-def parse_stream(obj: dict) -> StreamInfo:
-    meta, spec = _meta(obj), obj.get("spec") or {}
-    status = obj.get("status") or {}
+def parse_stream(obj: Mapping[str, Any]) -> StreamInfo:
+    meta, spec = _meta(obj), crd.GPUObjectStreamSpec.from_json(obj.get("spec"))
+    status = crd.GPUObjectStreamStatus.from_json(obj.get("status"))
     return StreamInfo(
         namespace=meta["namespace"],
         name=meta["name"],
         uid=meta["uid"],
-        producer_pod=(spec.get("producer") or {}).get("podName", ""),
-        consumed=int(status.get("consumed", 0)),
+        producer_pod=spec.producer.pod_name,
+        consumed=status.consumed or 0,
         deleting=bool(meta.get("deletionTimestamp")),
         finalized=names.FINALIZER_FREE in (meta.get("finalizers") or []),
-        status=dict(status),
+        status=status,
     )

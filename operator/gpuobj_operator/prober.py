@@ -109,11 +109,11 @@ class Prober:
             log.debug("probe of %s/%s proved nothing: %s", *pod.key, exc)
             changed = False
         else:
-            if info.get("podUID") and info["podUID"] != pod.uid:
+            if info.pod_uid and info.pod_uid != pod.uid:
                 # Another pod's agent answers at this address: ours is not there.
                 changed = liveness.observe_refused(pod.key, pod.uid, started)
             else:
-                changed = liveness.observe_alive(pod.key, pod.uid, str(info.get("incarnation", "")), started)
+                changed = liveness.observe_alive(pod.key, pod.uid, info.incarnation, started)
         if changed:
             state = liveness.agents.get(pod.key)
             log.info(

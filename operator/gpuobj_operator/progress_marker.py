@@ -25,6 +25,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aiohttp
 
@@ -150,7 +151,7 @@ def marker_writer(kube: KubeClient, namespace: str, name: str = names.CLAIMS_PRO
     return write
 
 
-def marker_manifest(name: str, annotations: dict[str, str]) -> dict:
+def marker_manifest(name: str, annotations: dict[str, str]) -> dict[str, Any]:
     """The marker: a claim on an object of its own name that nobody creates; it has no holder."""
     return {
         "apiVersion": names.API_VERSION,

@@ -146,13 +146,10 @@ class QuotaBook:
 
 
 def _ready_message(obj: ObjectInfo) -> str:
-    for c in obj.status.get("conditions", []):
-        if c.get("type") == names.CONDITION_READY:
-            return str(c.get("message", ""))
-    return ""
+    ready = obj.status.condition(names.CONDITION_READY)
+    return ready.message if ready is not None else ""
 
 
 def _failed_for_quota(obj: ObjectInfo) -> bool:
-    return any(
-        c.get("type") == names.CONDITION_READY and c.get("reason") == REASON for c in obj.status.get("conditions", [])
-    )
+    ready = obj.status.condition(names.CONDITION_READY)
+    return ready is not None and ready.reason == REASON

@@ -80,10 +80,10 @@ class Reconciler:
         self.kube, self.agents, self.metrics, self.events = kube, agents, metrics, events
         self.ledger = Ledger(quota=QuotaBook(settings.quota))
         # Retries back off to 5 s at most: after an API outage every item is tried again within seconds.
-        self.queue = WorkQueue(max_delay=5.0)
+        self.queue: WorkQueue[WorkItem] = WorkQueue(max_delay=5.0)
         self.expected = Expectations()
         self.may_act = may_act or (lambda: True)
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self.prober = Prober(self.ledger, agents, self.enqueue, settings)
         self.intake = Intake(self.ledger, kube, self.expected, self.prober, settings, self.enqueue, self.enqueue_all)
         self.sync, self.on_object, self.on_claim = self.intake.sync, self.intake.on_object, self.intake.on_claim
@@ -252,7 +252,7 @@ class Reconciler:
             return
         await self._patch_object_status(a.key, a.status)
 
-    async def _patch_object_status(self, key: Key, status: dict) -> None:
+    async def _patch_object_status(self, key: Key, status: dict[str, Any]) -> None:
         before = self.ledger.objects.get(key)
         try:
             patched = await self.kube.patch(GPUOBJECTS, key[1], {"status": status}, key[0], subresource="status")

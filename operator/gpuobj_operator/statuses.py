@@ -3,6 +3,8 @@
 Why apart from the reconciler: the reconciler executes; what a status says (state, reason,
 message, which conditions) is a decision, and decisions are plain Python that tests drive
 without a server (KubeRay's habit: builders separate from the reconcilers that do I/O).
+Each status is built as the contract's typed shape (gpuobj_contract.resources, pinned to crds/) and
+written as its JSON: a misspelled or mistyped field fails the type check, not the API server.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 from dataclasses import dataclass
+from typing import Any
 
 from gpuobj_contract import names
+from gpuobj_contract import resources as crd
 from gpuobj_operator.ledger import SourceVerdict, StreamTally, is_lost
 from gpuobj_operator.model import ClaimInfo, ObjectInfo, StreamInfo
 
@@ -21,29 +25,33 @@ def now_str(now: dt.datetime) -> str:
 
 
 def condition(
-    existing: list[dict], ctype: str, status: str, reason: str, message: str, generation: int, now: str
-) -> dict:
+    existing: tuple[crd.Condition, ...], ctype: str, status: str, reason: str, message: str, generation: int, now: str
+) -> crd.Condition:
     """A condition in the API conventions' shape; the transition time moves only when status does."""
-    previous = next((c for c in existing if c.get("type") == ctype), None)
-    since = previous["lastTransitionTime"] if previous and previous.get("status") == status else now
-    return {
-        "type": ctype,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "observedGeneration": generation,
-        "lastTransitionTime": since,
-    }
+    previous = crd.find_condition(existing, ctype)
+    since = previous.last_transition_time if previous and previous.status == status else now
+    return crd.Condition(
+        type=ctype,
+        status=status,
+        last_transition_time=since,
+        reason=reason,
+        message=message,
+        observed_generation=generation,
+    )
 
 
-def materialized_status(*, object_id: str, pod_uid: str, endpoint: str, incarnation: str) -> dict:
+def _materialized(*, object_id: str, pod_uid: str, endpoint: str, incarnation: str) -> crd.GPUObjectStatus:
+    return crd.GPUObjectStatus(
+        state=names.STATE_READY,
+        object_id=object_id,
+        source_pod_uid=pod_uid,
+        transport=crd.Transport(backend="nixl", agent_endpoint=endpoint, agent_incarnation=incarnation),
+    )
+
+
+def materialized_status(*, object_id: str, pod_uid: str, endpoint: str, incarnation: str) -> dict[str, Any]:
     """A declared object its source agent now holds (the ledger then derives Ready and its conditions)."""
-    return {
-        "state": names.STATE_READY,
-        "objectId": object_id,
-        "sourcePodUID": pod_uid,
-        "transport": {"backend": "nixl", "agentEndpoint": endpoint, "agentIncarnation": incarnation},
-    }
+    return _materialized(object_id=object_id, pod_uid=pod_uid, endpoint=endpoint, incarnation=incarnation).to_json()
 
 
 def materialized_object_status(
@@ -56,56 +64,82 @@ def materialized_object_status(
     endpoint: str,
     incarnation: str,
     now: dt.datetime,
-) -> dict:
+) -> dict[str, Any]:
     """The one status write that makes a declared object Ready: the agent's answer together with the
     counts and conditions the ledger derives (else BYTES and REFS show blank until a second write)."""
-    answer = materialized_status(object_id=object_id, pod_uid=pod_uid, endpoint=endpoint, incarnation=incarnation)
-    held = dataclasses.replace(obj, status={**obj.status, **answer})
-    return {**desired_object_status(held, verdict, claims, now), **answer}
+    answer = _materialized(object_id=object_id, pod_uid=pod_uid, endpoint=endpoint, incarnation=incarnation)
+    held = dataclasses.replace(obj, status=_with_answer(obj.status, answer))
+    return _with_answer(_desired_object_status(held, verdict, claims, now), answer).to_json()
 
 
-def pending_status(*, generation: int, reason: str, message: str, now: str) -> dict:
+def _with_answer(status: crd.GPUObjectStatus, answer: crd.GPUObjectStatus) -> crd.GPUObjectStatus:
+    """``status`` with what the agent's materialize answer says (state, object id, source pod, transport)."""
+    return dataclasses.replace(
+        status,
+        state=answer.state,
+        object_id=answer.object_id,
+        source_pod_uid=answer.source_pod_uid,
+        transport=answer.transport,
+    )
+
+
+def _not_ready(state: str, *, generation: int, reason: str, message: str, now: str) -> dict[str, Any]:
+    ready = condition((), names.CONDITION_READY, "False", reason, message, generation, now)
+    return crd.GPUObjectStatus(state=state, conditions=(ready,)).to_json()
+
+
+def pending_status(*, generation: int, reason: str, message: str, now: str) -> dict[str, Any]:
     """Waiting on the source (e.g. the key is not published yet): retried."""
-    return {
-        "state": names.STATE_PENDING,
-        "conditions": [condition([], names.CONDITION_READY, "False", reason, message, generation, now)],
-    }
+    return _not_ready(names.STATE_PENDING, generation=generation, reason=reason, message=message, now=now)
 
 
-def failed_status(*, generation: int, reason: str, message: str, now: str) -> dict:
+def failed_status(*, generation: int, reason: str, message: str, now: str) -> dict[str, Any]:
     """The source agent refused to materialize the object: not retried."""
-    return {
-        "state": names.STATE_FAILED,
-        "conditions": [condition([], names.CONDITION_READY, "False", reason, message, generation, now)],
-    }
+    return _not_ready(names.STATE_FAILED, generation=generation, reason=reason, message=message, now=now)
 
 
 def refused_object_status(
-    obj: ObjectInfo, verdict: SourceVerdict, claims: list[ClaimInfo], *, reason: str, message: str, now: dt.datetime
-) -> dict:
+    obj: ObjectInfo,
+    verdict: SourceVerdict,
+    claims: list[ClaimInfo],
+    *,
+    reason: str,
+    message: str,
+    now: dt.datetime,
+) -> dict[str, Any]:
     """An object the operator refuses (e.g. over its namespace's quota): Failed, with the counts and
     conditions the ledger derives and the refusal as the Ready condition (what `kubectl get` shows)."""
-    failed = failed_status(generation=obj.generation, reason=reason, message=message, now=now_str(now))
-    held = dataclasses.replace(obj, status={**obj.status, **failed})
+    ready = condition((), names.CONDITION_READY, "False", reason, message, obj.generation, now_str(now))
+    held = dataclasses.replace(
+        obj, status=dataclasses.replace(obj.status, state=names.STATE_FAILED, conditions=(ready,))
+    )
     return desired_object_status(held, verdict, claims, now)
 
 
-def agent_lost_object_status(*, pod_uid: str, generation: int, message: str, now: str) -> dict:
+def agent_lost_object_status(*, pod_uid: str, generation: int, message: str, now: str) -> dict[str, Any]:
     """The source agent (audited) no longer holds the object, e.g. it restarted: Lost."""
-    return {
-        "state": names.STATE_LOST,
-        "sourcePodUID": pod_uid,
-        "conditions": [
-            condition([], names.CONDITION_READY, "False", "SourceLost", message, generation, now),
-            condition([], names.CONDITION_SOURCE_AVAILABLE, "False", "AgentLostObject", message, generation, now),
-        ],
-    }
+    return crd.GPUObjectStatus(
+        state=names.STATE_LOST,
+        source_pod_uid=pod_uid,
+        conditions=(
+            condition((), names.CONDITION_READY, "False", "SourceLost", message, generation, now),
+            condition((), names.CONDITION_SOURCE_AVAILABLE, "False", "AgentLostObject", message, generation, now),
+        ),
+    ).to_json()
 
 
-def desired_object_status(obj: ObjectInfo, verdict: SourceVerdict, claims: list[ClaimInfo], now: dt.datetime) -> dict:
+def desired_object_status(
+    obj: ObjectInfo, verdict: SourceVerdict, claims: list[ClaimInfo], now: dt.datetime
+) -> dict[str, Any]:
     """A GPUObject's status as the ledger sees it: state, counts, the Ready and SourceAvailable conditions."""
+    return _desired_object_status(obj, verdict, claims, now).to_json()
+
+
+def _desired_object_status(
+    obj: ObjectInfo, verdict: SourceVerdict, claims: list[ClaimInfo], now: dt.datetime
+) -> crd.GPUObjectStatus:
     stamp = now_str(now)
-    existing = obj.status.get("conditions", [])
+    existing = obj.status.conditions
     if obj.state == names.STATE_FAILED:
         state = names.STATE_FAILED
     elif is_lost(obj, verdict):
@@ -124,25 +158,35 @@ def desired_object_status(obj: ObjectInfo, verdict: SourceVerdict, claims: list[
     elif state == names.STATE_LOST:
         ready = ("False", "SourceLost", verdict.message)
     elif state == names.STATE_FAILED:
-        ready = next(
-            (("False", c["reason"], c["message"]) for c in existing if c["type"] == names.CONDITION_READY),
-            ("False", "Failed", "materialization failed"),
-        )
+        failed = crd.find_condition(existing, names.CONDITION_READY)
+        ready = ("False", failed.reason, failed.message) if failed else ("False", "Failed", "materialization failed")
     else:
         ready = (
             "False",
             "Materializing",
             verdict.message if not verdict.available else "waiting for the source agent",
         )
-    status = {
-        "observedGeneration": obj.generation,
-        "state": state,
-        "objectId": obj.object_id if obj.materialized or not obj.declared else obj.status.get("objectId"),
-        "bytes": obj.bytes,
-        "tensorCount": len(obj.tensors),
-        "references": refs,
-        "claims": len(claims),
-        "conditions": [
+    if verdict.pod is not None and not verdict.pod.deleted:
+        source_pod_uid: str | None = verdict.pod.uid
+        transport = None
+        if verdict.pod.endpoint:
+            known = obj.status.transport.agent_incarnation if obj.status.transport else None
+            transport = crd.Transport(
+                backend="nixl", agent_endpoint=verdict.pod.endpoint, agent_incarnation=known or None
+            )
+    else:  # the source pod is gone: keep what the status said of it
+        source_pod_uid, transport = obj.status.source_pod_uid, obj.status.transport
+    return crd.GPUObjectStatus(
+        observed_generation=obj.generation,
+        state=state,
+        object_id=obj.object_id if obj.materialized or not obj.declared else obj.status.object_id,
+        bytes=obj.bytes,
+        tensor_count=len(obj.tensors),
+        references=refs,
+        claims=len(claims),
+        source_pod_uid=source_pod_uid,
+        transport=transport,
+        conditions=(
             condition(existing, names.CONDITION_READY, *ready, obj.generation, stamp),
             condition(
                 existing,
@@ -153,77 +197,54 @@ def desired_object_status(obj: ObjectInfo, verdict: SourceVerdict, claims: list[
                 obj.generation,
                 stamp,
             ),
-        ],
-    }
-    if verdict.pod is not None and not verdict.pod.deleted:
-        status["sourcePodUID"] = verdict.pod.uid
-        if verdict.pod.endpoint:
-            status["transport"] = {
-                "backend": "nixl",
-                "agentEndpoint": verdict.pod.endpoint,
-                **(
-                    {"agentIncarnation": obj.status["transport"]["agentIncarnation"]}
-                    if obj.status.get("transport", {}).get("agentIncarnation")
-                    else {}
-                ),
-            }
-    else:
-        for k in ("sourcePodUID", "transport"):
-            if k in obj.status:
-                status[k] = obj.status[k]
-    if obj.status.get("objectId") is None and status["objectId"] is None:
-        del status["objectId"]
-    return status
+        ),
+    )
 
 
 def desired_claim_status(
     claim: ClaimInfo, obj: ObjectInfo | None, verdict: SourceVerdict | None, now: dt.datetime
-) -> dict:
+) -> dict[str, Any]:
     """A claim's status: Bound to its object, Lost with it, or Pending until it exists.
 
     ``obj`` None: no GPUObject of the claimed name and uid exists (any more); ``verdict`` is then unused.
     """
     stamp = now_str(now)
-    existing = claim.status.get("conditions", [])
+    existing = claim.status.conditions
     if obj is None or verdict is None:
-        lost = claim.status.get("state") in ("Bound", "Lost")
+        lost = claim.status.state in ("Bound", "Lost")
         state, reason, message = (
             ("Lost", "ObjectGone", f"GPUObject {claim.object_name} no longer exists")
             if lost
             else ("Pending", "ObjectNotFound", f"GPUObject {claim.object_name} does not exist (yet)")
         )
-        desired = {
-            "state": state,
-            "conditions": [condition(existing, "Bound", "False", reason, message, 1, stamp)],
-        }
-        if claim.status.get("objectUID"):
-            desired["objectUID"] = claim.status["objectUID"]
+        return crd.GPUObjectClaimStatus(
+            observed_generation=1,
+            state=state,
+            object_uid=claim.status.object_uid or None,
+            conditions=(condition(existing, "Bound", "False", reason, message, 1, stamp),),
+        ).to_json()
+    if is_lost(obj, verdict):
+        state, reason, message = "Lost", "SourceLost", verdict.message
     else:
-        if is_lost(obj, verdict):
-            state, reason, message = "Lost", "SourceLost", verdict.message
-        else:
-            state, reason, message = "Bound", "Bound", f"references GPUObject {obj.name} on pod {obj.source_pod}"
-        desired = {
-            "state": state,
-            "objectUID": obj.uid,
-            "bytes": obj.bytes,
-            "sourcePod": obj.source_pod,
-            "conditions": [
-                condition(existing, "Bound", "True" if state == "Bound" else "False", reason, message, 1, stamp)
-            ],
-        }
-    desired["observedGeneration"] = 1
-    return desired
+        state, reason, message = "Bound", "Bound", f"references GPUObject {obj.name} on pod {obj.source_pod}"
+    return crd.GPUObjectClaimStatus(
+        observed_generation=1,
+        state=state,
+        object_uid=obj.uid,
+        bytes=obj.bytes,
+        source_pod=obj.source_pod,
+        conditions=(condition(existing, "Bound", "True" if state == "Bound" else "False", reason, message, 1, stamp),),
+    ).to_json()
 
 
-def desired_stream_status(stream: StreamInfo, tally: StreamTally) -> dict:
+def desired_stream_status(stream: StreamInfo, tally: StreamTally) -> dict[str, Any]:
     """A stream's counters: items emitted (never decreasing), live items and their bytes (ledger.StreamTally)."""
-    return {
-        "observedGeneration": 1,
-        "emitted": max(tally.emitted, int(stream.status.get("emitted", 0))),
-        "liveItems": tally.live_items,
-        "bytes": tally.live_bytes,
-    }
+    return crd.GPUObjectStreamStatus(
+        observed_generation=1,
+        emitted=max(tally.emitted, stream.status.emitted or 0),
+        live_items=tally.live_items,
+        bytes=tally.live_bytes,
+    ).to_json()
 
 
 @dataclass(frozen=True)
@@ -231,7 +252,7 @@ class AfterMaterializeError:
     """What follows an agent's refusal to materialize: the status to write; ``retry`` (why) when the
     object waits for its key to be published, else the Warning's ``reason`` (it failed for good)."""
 
-    status: dict
+    status: dict[str, Any]
     retry: str = ""
     reason: str = ""
 

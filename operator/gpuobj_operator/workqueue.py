@@ -11,18 +11,21 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Hashable
+from typing import Generic, TypeVar
+
+T = TypeVar("T", bound=Hashable)  # an item: a key to reconcile
 
 
-class WorkQueue:
+class WorkQueue(Generic[T]):
     def __init__(self, base_delay: float = 0.05, max_delay: float = 30.0) -> None:
         self._tokens: asyncio.Queue[None] = asyncio.Queue()  # one per queued item, in either lane
-        self._lanes: tuple[deque[Hashable], deque[Hashable]] = (deque(), deque())  # (urgent, normal)
-        self._queued: set[Hashable] = set()
-        self._dirty_urgent: set[Hashable] = set()
-        self._processing: set[Hashable] = set()
-        self._dirty_while_processing: set[Hashable] = set()
-        self._failures: dict[Hashable, int] = {}
-        self._timers: dict[Hashable, asyncio.TimerHandle] = {}
+        self._lanes: tuple[deque[T], deque[T]] = (deque(), deque())  # (urgent, normal)
+        self._queued: set[T] = set()
+        self._dirty_urgent: set[T] = set()
+        self._processing: set[T] = set()
+        self._dirty_while_processing: set[T] = set()
+        self._failures: dict[T, int] = {}
+        self._timers: dict[T, asyncio.TimerHandle] = {}
         self.base_delay = base_delay
         self.max_delay = max_delay
         self._closed = False
@@ -30,7 +33,7 @@ class WorkQueue:
     def __len__(self) -> int:
         return len(self._queued)
 
-    def add(self, item: Hashable, urgent: bool = False) -> None:
+    def add(self, item: T, urgent: bool = False) -> None:
         if self._closed:
             return
         if item in self._processing:
@@ -47,7 +50,7 @@ class WorkQueue:
         self._lanes[0 if urgent else 1].append(item)
         self._tokens.put_nowait(None)
 
-    def add_after(self, item: Hashable, delay: float) -> None:
+    def add_after(self, item: T, delay: float) -> None:
         if self._closed or item in self._timers:
             return
         loop = asyncio.get_running_loop()
@@ -58,19 +61,19 @@ class WorkQueue:
 
         self._timers[item] = loop.call_later(delay, fire)
 
-    def retry(self, item: Hashable) -> float:
+    def retry(self, item: T) -> float:
         """Requeue with exponential backoff; returns the delay chosen."""
         n = self._failures.get(item, 0)
         self._failures[item] = n + 1
-        delay = min(self.base_delay * (2**n), self.max_delay)
+        delay = min(self.base_delay * (2.0**n), self.max_delay)
         self.add_after(item, delay)
         return delay
 
-    def forget(self, item: Hashable) -> None:
+    def forget(self, item: T) -> None:
         """The item succeeded: its next failure starts the backoff afresh."""
         self._failures.pop(item, None)
 
-    async def get(self) -> Hashable:
+    async def get(self) -> T:
         await self._tokens.get()
         urgent, normal = self._lanes
         item = urgent.popleft() if urgent else normal.popleft()
@@ -78,7 +81,7 @@ class WorkQueue:
         self._processing.add(item)
         return item
 
-    def done(self, item: Hashable) -> None:
+    def done(self, item: T) -> None:
         self._processing.discard(item)
         if item in self._dirty_while_processing:
             self._dirty_while_processing.discard(item)

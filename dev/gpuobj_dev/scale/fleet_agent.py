@@ -31,6 +31,7 @@ from gpuobj_agent.metrics import AgentMetrics
 from gpuobj_agent.nixl_state import NixlState
 from gpuobj_agent.server import build_app
 from gpuobj_agent.store import ObjectStore, iso_time
+from gpuobj_contract import agent_api as api
 
 
 class UnregisteredTransport:
@@ -135,23 +136,26 @@ class FleetAgent:
         await self.fencer.close()
 
     # -- what the control server serves (gpuobj_agent.server.Served) --------------------------
-    def identity(self) -> dict[str, Any]:
-        c = self.config
-        return {"pod": c.pod_name, "namespace": c.namespace, "podUID": c.pod_uid, "incarnation": self.incarnation}
-
-    def info(self) -> dict[str, Any]:
+    def info(self) -> api.AgentInfo:
         self._on_info()  # the operator's liveness traffic, counted per agent
         active = self.nixl.gens.active
-        return {
-            **self.identity(),
-            "nixlAgent": active.name if active else None,
-            "nixlAgents": self.nixl.gens.live_names(),
-            "startedAt": iso_time(self.started_wall),
-            "endpoint": self.endpoint,
-        }
+        c = self.config
+        return api.AgentInfo(
+            pod=c.pod_name,
+            namespace=c.namespace,
+            pod_uid=c.pod_uid,
+            incarnation=self.incarnation,
+            nixl_agent=active.name if active else None,
+            nixl_agents=tuple(self.nixl.gens.live_names()),
+            started_at=iso_time(self.started_wall),
+            endpoint=self.endpoint,
+        )
 
-    def inventory(self) -> dict[str, Any]:
-        return {**self.identity(), "objects": self.store.inventory_objects()}
+    def inventory(self) -> api.Inventory:
+        c = self.config
+        return api.Inventory(
+            c.pod_name, c.namespace, c.pod_uid, self.incarnation, tuple(self.store.inventory_objects())
+        )
 
     # -- what the client core calls on its pod's agent -------------------------------------------
     async def aput(

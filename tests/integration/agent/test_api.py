@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from urllib.parse import quote
 
 import pytest
 
+from gpuobj_contract import agent_api as api
 from gpuobj_contract import metric_names
 from gpuobj_dev.testing.agent_workload import AgentProcess
 
@@ -195,3 +197,23 @@ def test_sigterm_with_objects_that_readers_saw_exits_cleanly_and_balanced(make_p
     assert proc.stop() == 0  # exit 0 only if every registration was undone
     assert "5 NIXL registrations, 5 deregistrations" in proc.output()
     settle(reader.stats)
+
+
+def test_info_and_every_inventory_page_read_back_through_the_contracts_shapes(agent):
+    """The agent writes these answers from gpuobj_contract.agent_api's shapes; they parse with the same."""
+    ids = ["page-a", "page-b", "page-c"]
+    for object_id in ids:
+        assert agent.request("PUT", f"/v1/objects/{object_id}", {"tensors": [LAYOUT]})[0] == 200
+    info = api.AgentInfo.from_json(agent.request("GET", "/v1/info")[1])
+    assert (info.pod_uid, info.nixl_agent in info.nixl_agents) == (agent.pod_uid, True)
+    first = api.Inventory.from_json(agent.request("GET", "/v1/objects?limit=2")[1])
+    assert len(first.objects) == 2 and first.continue_token and first.incarnation == info.incarnation
+    after = quote(first.continue_token, safe="")
+    rest = api.Inventory.from_json(agent.request("GET", f"/v1/objects?limit=2&continue={after}")[1])
+    assert not rest.continue_token
+    paged = [o.id for o in first.objects + rest.objects]
+    assert len(paged) == len(set(paged)) and set(ids) <= set(paged)  # each object on exactly one page
+    assert all(o.created_at and o.devices == ("cpu",) and o.tensors for o in first.objects + rest.objects)
+    for object_id in ids:
+        assert agent.request("POST", f"/v1/objects/{object_id}/free", {})[1]["freed"]
+    settle(lambda: _stats(agent))

@@ -216,12 +216,12 @@ def test_live_objects_move_to_the_new_nixl_agent_and_stay_readable(make_runtime)
     objs = {f"o{i}": make_tensors(layouts(((64, 3), "float32")), seed=i) for i in range(200)}
     for oid, tensors in objs.items():
         src.put(oid, tensors)
-    before = src.agent.info()["nixlAgent"]
+    before = src.agent.info().nixl_agent
     dst.fetch(src.endpoint, "o0", token=TOKEN)  # expose o0
     assert src.free("o0", wait_fence=True)["fenced"]  # waits for the rotation, migration and teardown
     after = src.agent.info()
-    assert after["nixlAgent"] != before and before not in after["nixlAgents"]  # the old agent is gone
-    assert len(after["nixlAgents"]) == 2  # young (new objects) and tenured (the 199 that moved)
+    assert after.nixl_agent != before and before not in after.nixl_agents  # the old agent is gone
+    assert len(after.nixl_agents) == 2  # young (new objects) and tenured (the 199 that moved)
     for oid in ("o1", "o99", "o199"):
         assert digest(dst.fetch(src.endpoint, oid, token=TOKEN)) == digest(objs[oid])
     for oid in list(objs)[1:]:

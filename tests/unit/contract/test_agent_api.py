@@ -163,3 +163,7 @@ def test_every_answer_the_agent_writes_reads_back_the_same() -> None:
     assert api.ErrorAnswer.from_json(api.ErrorAnswer("no").to_json()) == api.ErrorAnswer("no")
     assert api.HealthAnswer.from_json(api.HealthAnswer("ready", "p-g1").to_json()).nixl_agent == "p-g1"
     assert api.HandoffReleaseAnswer().to_json() == {"released": True}
+    item = api.InventoryItem("o-1", 2, 1.5, "s", 0, "k", 1, True, True, (layout,), "t", ("cpu",))
+    page = api.Inventory("p", "ns", "uid", "inc", (item,), continue_token=api.inventory_token(item))
+    assert api.Inventory.from_json(page.to_json()) == page
+    assert api.inventory_order(item) == api.inventory_order(item.to_json()) == ("t", "o-1")

@@ -86,3 +86,12 @@ def test_a_status_with_unknown_fields_parses_and_a_missing_required_field_is_a_v
     assert r.GPUObjectStatus.from_json(None) == r.GPUObjectStatus()
     with pytest.raises(ValueError, match="GPUObjectClaimSpec"):
         r.GPUObjectClaimSpec.from_json({"ttlSeconds": 5})
+
+
+def test_a_0d_tensor_keeps_its_empty_shape_in_the_apis_json() -> None:
+    # shape is required and [] means a 0-d tensor (a scalar): left out, the API server refuses the spec.
+    spec = r.GPUObjectSpec(r.ObjectSource("src"), (r.TensorSpec.of(TensorLayout((), "float32", "cpu")),))
+    data = spec.to_json()
+    assert data["tensors"] == [{"shape": [], "dtype": "float32", "device": "cpu"}]
+    assert r.GPUObjectSpec.from_json(data) == spec
+    assert spec.layouts() == (TensorLayout((), "float32", "cpu"),)

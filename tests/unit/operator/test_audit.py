@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gpuobj_contract import names
 from gpuobj_contract.agent_api import Inventory, InventoryItem
+from gpuobj_contract.resources import GPUObjectStatus
 from gpuobj_operator.actions import Emit, PatchObjectStatus
 from gpuobj_operator.audit import evaluate, expected_objects, lost_actions
 from tests.unit.operator.test_ledger import obj, pod, synced_ledger
@@ -89,7 +90,7 @@ def test_the_audit_reads_the_agent_contracts_inventory() -> None:
 def test_missing_objects_become_lost_with_a_warning_once() -> None:
     p = pod()
     held, deleting, lost = obj("a", uid="ua"), obj("b", uid="ub", deleting=True), obj("c", uid="uc")
-    lost.status["state"] = names.STATE_LOST
+    lost.status = GPUObjectStatus(state=names.STATE_LOST)
     actions = lost_actions(p, [held, deleting, lost], NOW)
     assert [type(a) for a in actions] == [PatchObjectStatus, Emit]  # deleting and already Lost: nothing to say
     patch, emit = actions

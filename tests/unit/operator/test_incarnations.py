@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 
 from gpuobj_contract import names
+from gpuobj_contract.resources import GPUObjectStatus
 from gpuobj_operator.actions import (
     DeleteClaim,
     DeleteObject,
@@ -150,7 +151,8 @@ def test_object_of_a_restarted_source_process_becomes_lost_and_is_released_witho
     available = next(c for c in status["conditions"] if c["type"] == names.CONDITION_SOURCE_AVAILABLE)
     assert (available["status"], available["reason"]) == ("False", "SourceAgentRestarted")
     # Once deleted, its bytes went with the process: no free is sent to the new one.
-    ledger.upsert_object(obj(spec_incarnation="s-1", deleting=True, status=status), now=3.0)
+    written = GPUObjectStatus.from_json(status)
+    ledger.upsert_object(obj(spec_incarnation="s-1", deleting=True, status=written), now=3.0)
     assert kinds(decide_object(ledger, (NS, "w"), NOW)) == [ReleaseWithoutFree]
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from gpuobj_contract import names
 from gpuobj_contract.layouts import tensor_bytes
+from gpuobj_contract.resources import GPUObjectClaimStatus, GPUObjectStatus
 from gpuobj_operator.actions import (
     AddFinalizer,
     DeleteClaim,
@@ -92,7 +93,7 @@ def test_a_live_object_gets_ready_status_once_and_then_no_writes() -> None:
     assert {c["type"] for c in status["conditions"]} == {names.CONDITION_READY, names.CONDITION_SOURCE_AVAILABLE}
     # Once the status is what we would write, nothing is written again.
     o = ledger.objects[(NS, "w")]
-    o.status = status
+    o.status = GPUObjectStatus.from_json(status)  # what was written, read back
     assert decide_object(ledger, (NS, "w"), NOW + dt.timedelta(seconds=5)) == []
 
 
@@ -260,7 +261,7 @@ def test_claim_on_a_missing_object_is_pending_and_lost_once_its_object_goes() ->
     ledger = synced_ledger(pod(), claim(object_name="nope"))
     (action,) = decide_claim(ledger, (NS, "c1"), NOW)
     assert action.status["state"] == "Pending"
-    ledger.claims[(NS, "c1")].status = {"state": "Bound"}
+    ledger.claims[(NS, "c1")].status = GPUObjectClaimStatus(state="Bound")
     (action,) = decide_claim(ledger, (NS, "c1"), NOW)
     assert action.status["state"] == "Lost"
 
@@ -273,13 +274,14 @@ def test_bound_claim_reports_bytes_and_source() -> None:
 
 
 def test_a_late_event_never_overwrites_a_newer_version() -> None:
-    ledger = synced_ledger(pod(), obj(resource_version="20", status={"state": "Ready"}))
+    ledger = synced_ledger(pod(), obj(resource_version="20", status=GPUObjectStatus(state="Ready")))
     ledger.upsert_object(obj(resource_version="10"), now=1.0)
-    assert ledger.objects[(NS, "w")].status == {"state": "Ready"}
+    assert ledger.objects[(NS, "w")].status == GPUObjectStatus(state="Ready")
 
 
 def test_states_are_counted_for_the_gauges() -> None:
-    ledger = synced_ledger(pod(), obj(status={"state": "Ready"}), obj("v", uid="u2", status={"state": "Lost"}))
+    ready, lost = GPUObjectStatus(state="Ready"), GPUObjectStatus(state="Lost")
+    ledger = synced_ledger(pod(), obj(status=ready), obj("v", uid="u2", status=lost))
     by_state = ledger.objects_by_state()
     assert by_state["Ready"] == (1, 64) and by_state["Lost"] == (1, 64)
     assert by_state["Pending"] == (0, 0)

@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from gpuobj_contract import names
+from gpuobj_contract import resources as crd
 from gpuobj_operator.actions import DeleteClaim, DeleteObject, Emit, Free, Materialize, PatchObjectStatus
 from gpuobj_operator.decisions import decide_object
 from gpuobj_operator.ledger import Ledger
@@ -143,12 +144,22 @@ def test_a_refused_object_is_not_counted_stays_refused_and_its_name_can_be_reuse
 
 def test_objects_admitted_before_are_kept_after_a_restart_even_over_a_lowered_quota() -> None:
     ledger = ledger_with({"team-a": 10 * KIB})  # a fresh operator (a new ledger) with a lowered quota
-    ledger.upsert_object(obj("ready", 50 * KIB, status={"state": names.STATE_READY}), 0.0)
+    ledger.upsert_object(obj("ready", 50 * KIB, status=crd.GPUObjectStatus(state=names.STATE_READY)), 0.0)
     ledger.upsert_object(obj("going", 50 * KIB, deleting=True), 0.0)
-    refused_status = {
-        "state": names.STATE_FAILED,
-        "conditions": [{"type": names.CONDITION_READY, "status": "False", "reason": "QuotaExceeded", "message": "x"}],
-    }
+    refused_status = crd.GPUObjectStatus.from_json(
+        {
+            "state": names.STATE_FAILED,
+            "conditions": [
+                {
+                    "type": names.CONDITION_READY,
+                    "status": "False",
+                    "reason": "QuotaExceeded",
+                    "message": "x",
+                    "lastTransitionTime": "2026-01-01T00:00:00Z",
+                }
+            ],
+        }
+    )
     ledger.upsert_object(obj("refused", 50 * KIB, status=refused_status, deleting=True), 0.0)
     ledger.upsert_object(obj("new", 1), 0.0)
     book = ledger.quota
@@ -164,7 +175,7 @@ def test_a_failed_declared_object_holds_no_bytes() -> None:
     declared = obj("d", 80 * KIB, spec_object_id=None)
     ledger.upsert_object(declared, 0.0)
     assert ledger.quota.used == {"team-a": 80 * KIB}, "reserved before it is materialized"
-    failed = dataclasses.replace(declared, status={"state": names.STATE_FAILED}, resource_version="2")
+    failed = dataclasses.replace(declared, status=crd.GPUObjectStatus(state=names.STATE_FAILED), resource_version="2")
     ledger.upsert_object(failed, 0.0)
     assert ledger.quota.used == {}
 
@@ -202,7 +213,7 @@ def test_once_deleted_a_refused_put_is_freed_at_its_source_even_if_a_claim_came_
     ledger.upsert_object(obj("first", 80 * KIB), 0.0)
     second = obj("second", 80 * KIB)
     ledger.upsert_object(second, 0.0)
-    failed = {"state": names.STATE_FAILED}
+    failed = crd.GPUObjectStatus(state=names.STATE_FAILED)
     ledger.upsert_object(dataclasses.replace(second, status=failed, deleting=True, resource_version="5"), 0.0)
     ledger.upsert_claim(ClaimInfo("team-a", "late", "uid-late", object_name="second", holder_pod="p1"), 0.0)
     assert [type(a) for a in decide_object(ledger, ("team-a", "second"), NOW)] == [DeleteClaim]
@@ -218,7 +229,8 @@ def test_a_refused_declared_object_is_failed_and_never_materialized() -> None:
     actions = decide_object(ledger, declared.key, NOW)
     assert not any(isinstance(a, Materialize | DeleteObject) for a in actions)
     assert any(isinstance(a, PatchObjectStatus) and a.status["state"] == names.STATE_FAILED for a in actions)
-    ledger.upsert_object(dataclasses.replace(declared, status=actions[0].status, resource_version="2"), 0.0)  # type: ignore[attr-defined]
+    failed = crd.GPUObjectStatus.from_json(actions[0].status)  # type: ignore[attr-defined]
+    ledger.upsert_object(dataclasses.replace(declared, status=failed, resource_version="2"), 0.0)
     assert decide_object(ledger, declared.key, NOW) == [], "Failed for good: no second Event, no materialize"
 
 

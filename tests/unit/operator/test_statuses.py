@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 
 from gpuobj_contract import names
+from gpuobj_contract.resources import GPUObjectClaimStatus, GPUObjectStatus, GPUObjectStreamStatus
 from gpuobj_operator import actions
 from gpuobj_operator.ledger import SourceVerdict, StreamTally
 from gpuobj_operator.model import ClaimInfo, ObjectInfo, PodInfo, StreamInfo
@@ -49,12 +50,12 @@ def ready_reason(status: dict) -> tuple[str, str]:
 
 
 def test_condition_keeps_its_transition_time_while_status_holds() -> None:
-    first = condition([], "Ready", "True", "Materialized", "ok", 1, NOW)
-    again = condition([first], "Ready", "True", "Materialized", "still ok", 2, "2026-12-01T13:00:00Z")
-    flipped = condition([again], "Ready", "False", "SourceLost", "gone", 2, "2026-12-01T14:00:00Z")
-    assert set(first) == REQUIRED
-    assert again["lastTransitionTime"] == NOW and again["observedGeneration"] == 2
-    assert flipped["lastTransitionTime"] == "2026-12-01T14:00:00Z"
+    first = condition((), "Ready", "True", "Materialized", "ok", 1, NOW)
+    again = condition((first,), "Ready", "True", "Materialized", "still ok", 2, "2026-12-01T13:00:00Z")
+    flipped = condition((again,), "Ready", "False", "SourceLost", "gone", 2, "2026-12-01T14:00:00Z")
+    assert set(first.to_json()) == REQUIRED
+    assert again.last_transition_time == NOW and again.observed_generation == 2
+    assert flipped.last_transition_time == "2026-12-01T14:00:00Z"
 
 
 def test_pending_and_failed_say_why_on_the_ready_condition() -> None:
@@ -108,7 +109,11 @@ def test_deleted_object_with_claims_is_releasing_and_counts_only_the_claims() ->
 
 def test_object_whose_source_pod_went_is_lost_and_keeps_the_transport_it_had() -> None:
     transport = {"backend": "nixl", "agentEndpoint": "10.0.0.5:8471"}
-    obj = put_object(status={"state": names.STATE_READY, "sourcePodUID": "pod-uid-1", "transport": transport})
+    obj = put_object(
+        status=GPUObjectStatus.from_json(
+            {"state": names.STATE_READY, "sourcePodUID": "pod-uid-1", "transport": transport}
+        )
+    )
     status = desired_object_status(obj, GONE, [], NOW_DT)
     assert status["state"] == names.STATE_LOST and ready_reason(status) == ("False", "SourceLost")
     source = next(c for c in status["conditions"] if c["type"] == names.CONDITION_SOURCE_AVAILABLE)
@@ -128,14 +133,14 @@ def test_declared_object_not_yet_materialized_is_pending_without_an_object_id() 
 
 def test_failed_object_stays_failed_with_the_reason_it_failed_for() -> None:
     failed = failed_status(generation=1, reason="MaterializeFailed", message="507", now=NOW)
-    status = desired_object_status(declared_object(status=failed), AVAILABLE, [], NOW_DT)
+    status = desired_object_status(declared_object(status=GPUObjectStatus.from_json(failed)), AVAILABLE, [], NOW_DT)
     assert status["state"] == names.STATE_FAILED and ready_reason(status) == ("False", "MaterializeFailed")
 
 
 def test_claim_of_an_object_not_there_yet_is_pending_and_of_one_gone_is_lost() -> None:
     pending = desired_claim_status(claim(), None, None, NOW_DT)
     assert pending["state"] == "Pending" and pending["conditions"][0]["reason"] == "ObjectNotFound"
-    bound_before = claim(status={"state": "Bound", "objectUID": "obj-uid-1"})
+    bound_before = claim(status=GPUObjectClaimStatus(state="Bound", object_uid="obj-uid-1"))
     lost = desired_claim_status(bound_before, None, None, NOW_DT)
     assert lost["state"] == "Lost" and lost["conditions"][0]["reason"] == "ObjectGone"
     assert lost["objectUID"] == "obj-uid-1" and lost["observedGeneration"] == 1
@@ -150,7 +155,7 @@ def test_claim_is_bound_to_a_live_object_and_lost_with_its_source() -> None:
 
 
 def test_stream_counts_live_items_and_never_lowers_emitted() -> None:
-    stream = StreamInfo("ml", "tokens", "s-uid", producer_pod="src", status={"emitted": 9})
+    stream = StreamInfo("ml", "tokens", "s-uid", producer_pod="src", status=GPUObjectStreamStatus(emitted=9))
     tally = StreamTally()
     for item in (put_object(stream=("tokens", 2)), put_object(stream=("tokens", 3), deleting=True)):
         tally.add(item, +1)
