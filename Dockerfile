@@ -41,10 +41,17 @@ RUN python -m venv /opt/gpuobj \
  && /opt/gpuobj/bin/python -m pip uninstall --yes pip \
  && /opt/gpuobj/bin/gpuobj operator --help > /dev/null
 
+# ------------------------------------------------------------------ agent-requirements: the agent's pins, as a file
+# Only the file goes on to agent-deps, so an edit of pyproject.toml that keeps the pins (tool
+# settings, other extras) keeps the 6 GB dependency layer cached.
+FROM ${PYTHON_IMAGE} AS agent-requirements
+COPY pyproject.toml /src/pyproject.toml
+RUN python3 -c "import tomllib; p = tomllib.load(open('/src/pyproject.toml', 'rb'))['project']; print(chr(10).join(p['dependencies'] + p['optional-dependencies']['agent']))" > /src/agent-requirements.txt
+
 # ------------------------------------------------------------------ agent-deps: the agent extra's pinned dependencies
-# Only pyproject.toml comes in, so this layer (torch with its CUDA libraries: about 6 GB) is rebuilt when
-# a pin changes, not when gpuobj's source does. The dependency list is read from pyproject.toml (the one
-# place pins live). pip lives in its own venv (/opt/pip) and installs into /opt/gpuobj with --python, so
+# Only the pin list comes in (agent-requirements, read from pyproject.toml: the one place pins live), so
+# this layer (torch with its CUDA libraries: about 6 GB) is rebuilt when a pin changes, not when
+# gpuobj's source or pyproject.toml's tool settings do. pip lives in its own venv (/opt/pip) and installs into /opt/gpuobj with --python, so
 # the venv the images ship has no pip. The .pth file puts /opt/gpuobj-app (gpuobj itself, next stage)
 # on that venv's path.
 FROM ${CUDA_IMAGE} AS agent-deps
@@ -55,9 +62,8 @@ ENV DEBIAN_FRONTEND=noninteractive \
 RUN apt-get update \
  && apt-get install --yes --no-install-recommends python3 python3-venv \
  && rm -rf /var/lib/apt/lists/*
-COPY pyproject.toml /src/pyproject.toml
-RUN python3 -c "import tomllib; p = tomllib.load(open('/src/pyproject.toml', 'rb'))['project']; print(chr(10).join(p['dependencies'] + p['optional-dependencies']['agent']))" > /src/agent-requirements.txt \
- && python3 -m venv /opt/pip \
+COPY --from=agent-requirements /src/agent-requirements.txt /src/agent-requirements.txt
+RUN python3 -m venv /opt/pip \
  && python3 -m venv --without-pip /opt/gpuobj \
  && /opt/pip/bin/pip --python /opt/gpuobj/bin/python install --no-cache-dir --requirement /src/agent-requirements.txt \
  && echo /opt/gpuobj-app > "$(/opt/gpuobj/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/gpuobj-app.pth"
