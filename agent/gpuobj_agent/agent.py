@@ -31,7 +31,9 @@ from gpuobj_agent.nixl_state import NixlState
 from gpuobj_agent.nixl_transport import NixlAgent
 from gpuobj_agent.server import build_app
 from gpuobj_agent.store import ObjectStore, iso_time
+from gpuobj_agent.tls import AgentCertificate
 from gpuobj_contract import agent_api as api
+from gpuobj_kube.client import KubeClient
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +105,8 @@ class Agent:
         self._trim_task: asyncio.Task | None = None
         self._extra_routes = extra_routes
         self._runner: web.AppRunner | None = None
+        self.certificate: AgentCertificate | None = None  # config.tls == "csr": the serving certificate
+        self._kube: KubeClient | None = None
         self.port: int | None = None
         self._stopped = False
         # Set by an embedded client: takes a receiver's release of a claim this process made for it.
@@ -115,8 +119,25 @@ class Agent:
     def endpoint(self) -> str:
         return f"{self.config.advertise_host()}:{self.port}"
 
+    async def _obtain_certificate(self) -> None:
+        """Ask the operator's signer for this pod's certificate (with the pod's own API token): before
+        anything is served, so no request is ever answered in plain text."""
+        from gpuobj_kube.config import load
+
+        c = self.config
+        self._kube = KubeClient(load(c.kubeconfig))
+        self.certificate = AgentCertificate(self._kube, c.namespace, c.pod_name, c.pod_uid, c.pod_ips())
+        await self.certificate.obtain()
+        self.certificate.start_renewal()
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.certificate is not None else "http"
+
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        if self.config.tls == "csr":
+            await self._obtain_certificate()
         try:  # fetch the issuer keys now, so the first request does not wait; a failure is retried then
             await self.tokens.keys.refresh()
         except Exception as exc:
@@ -144,7 +165,13 @@ class Agent:
             app, access_log=None, handle_signals=False, shutdown_timeout=self.config.shutdown_grace
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
+        site = web.TCPSite(
+            self._runner,
+            self.config.host,
+            self.config.port,
+            reuse_address=True,
+            ssl_context=self.certificate.server_context if self.certificate else None,
+        )
         await site.start()
         self.port = int(self._runner.addresses[0][1])
         log.info("gpuobj agent %s listening on %s", self.base_name, self.endpoint)
@@ -170,6 +197,10 @@ class Agent:
         await store.release_all()
         await self.fencer.close()
         await self.tokens.close()
+        if self.certificate is not None:
+            await self.certificate.close()
+        if self._kube is not None:
+            await self._kube.close()
         self._transfers.shutdown(wait=True)  # no read is running when the reader agent goes
         if self.pool is not None:
             self.pool.close()
