@@ -158,6 +158,9 @@ class Agent:
             pool=self.pool,
         )
         await self.fetcher.start()
+        if self.certificate is not None:
+            cert = self.certificate
+            self.fetcher.tls = lambda: cert.client_context
         self.store.start_pump()
         self._trim_task = asyncio.create_task(self._trim(), name="gpuobj-landing-trim")
         app = build_app(self, self._extra_routes)

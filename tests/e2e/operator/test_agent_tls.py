@@ -236,3 +236,27 @@ def test_the_signer_answers_every_agent_pod_at_start(
     ours = [c for c in listed if c["spec"]["signerName"] == agent_tls.SIGNER_NAME and requester(c)
             and requester(c)[3] in pods.uids.values()]  # fmt: skip
     assert len(ours) == 2 and all(c["status"].get("certificate") for c in ours)
+
+
+def test_a_reader_fetches_from_a_tls_source_over_https_verified_by_its_pod_uid(
+    gpuobj_cluster: ClusterHandle, namespace: str, tls_operator: OperatorProcess, pods: Pods
+) -> None:
+    """Reader -> source: the read ticket is an HTTPS request naming the source pod's uid, the bytes come by NIXL."""
+    src, reader = pods.workload("src", env=TLS_ENV), pods.workload("reader", env=TLS_ENV)
+    src.run("ref = client.put([torch.arange(4096, dtype=torch.float32)], name='w'); client.flush()")
+    shared = src.eval_pickle("client.share(ref, 'reader')")
+    reader.run(f"h = client.adopt(load_pickle({shared!r}))")
+    assert reader.eval("h.address.source_pod_uid") == pods.uids["src"]
+    # A fetch by address takes a read ticket (not the hand-off's grant): the HTTPS path.
+    reader.run("got = client.fetch(h.address)[0]")
+    assert reader.eval("bool(torch.equal(got, torch.arange(4096, dtype=torch.float32)))")
+    # The same address with another pod's uid is refused before any request: the handshake fails.
+    reader.run(
+        "import dataclasses\n"
+        "wrong = dataclasses.replace(h.address, source_pod_uid='00000000-0000-4000-8000-000000000000')\n"
+        "try:\n    client.fetch(wrong); refused = ''\nexcept Exception as exc:\n    refused = repr(exc)"
+    )
+    assert "TLS" in reader.eval("refused"), reader.eval("refused")
+    src.run("ref.release()")
+    reader.run("h.release(); client.flush()")
+    wait_object(gpuobj_cluster, namespace, "w", lambda o: o is None)
