@@ -17,6 +17,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -125,6 +126,12 @@ class Agent:
         from gpuobj_kube.config import load
 
         c = self.config
+        if c.tls == "files":
+            assert c.tls_dir is not None
+            self.certificate = AgentCertificate(None, c.namespace, c.pod_name, c.pod_uid, c.pod_ips())
+            self.certificate.load_files(Path(c.tls_dir))
+            self.certificate.start_renewal(Path(c.tls_dir))
+            return
         self._kube = KubeClient(load(c.kubeconfig))
         self.certificate = AgentCertificate(self._kube, c.namespace, c.pod_name, c.pod_uid, c.pod_ips())
         await self.certificate.obtain()
@@ -136,7 +143,7 @@ class Agent:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        if self.config.tls == "csr":
+        if self.config.tls != "off":
             await self._obtain_certificate()
         try:  # fetch the issuer keys now, so the first request does not wait; a failure is retried then
             await self.tokens.keys.refresh()

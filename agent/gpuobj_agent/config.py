@@ -24,6 +24,7 @@ OPERATOR_SA_ENV = "GPUOBJ_OPERATOR_SERVICEACCOUNT"
 ALLOW_CMA_ENV = "GPUOBJ_ALLOW_CMA"
 MAX_STORE_BYTES_ENV = "GPUOBJ_MAX_STORE_BYTES"
 TLS_ENV = "GPUOBJ_AGENT_TLS"  # "csr": serve HTTPS with a certificate from the operator's signer; "off": plain HTTP
+TLS_DIR_ENV = "GPUOBJ_AGENT_TLS_DIR"  # with GPUOBJ_AGENT_TLS=files: tls.key, tls.crt, ca.crt issued elsewhere
 LANDING_IDLE_BYTES_ENV = "GPUOBJ_LANDING_IDLE_BYTES"  # idle landing memory kept registered (a reader of big objects)
 # The operator's ServiceAccount in deploy/ (the chart sets $GPUOBJ_OPERATOR_SERVICEACCOUNT in its NOTES).
 DEFAULT_OPERATOR_SA = "gpuobj-system/gpuobj-operator"
@@ -58,8 +59,10 @@ class AgentConfig:
     revocation_fail_closed_after: float = field(default_factory=lambda: float(os.environ.get(REVOCATION_ENV, "60")))
     # TLS (agent/gpuobj_agent/tls.py, docs/security.md): "csr" asks the operator's signer for a certificate
     # naming this pod at start (with the pod's own API token), serves HTTPS only and renews it before it
-    # expires; "off" serves plain HTTP (agents outside Kubernetes, tests of the plain path).
+    # expires; "files" serves a certificate issued elsewhere (tls_dir: cert-manager's CSI driver, benches),
+    # read again when the files change; "off" serves plain HTTP (agents outside Kubernetes, tests of that path).
     tls: str = field(default_factory=lambda: os.environ.get(TLS_ENV, "off") or "off")
+    tls_dir: str | None = field(default_factory=lambda: os.environ.get(TLS_DIR_ENV) or None)
     # Seconds a free waits for in-flight reads of its object before answering 503.
     free_wait_timeout: float = 30.0
     # A read ticket counts as in flight for read_lease seconds plus its bytes at lease_bytes_per_second,
@@ -103,8 +106,10 @@ class AgentConfig:
     allow_cma: bool = field(default_factory=lambda: os.environ.get(ALLOW_CMA_ENV, "") == "true")
 
     def __post_init__(self) -> None:
-        if self.tls not in ("csr", "off"):
-            raise ValueError(f"{TLS_ENV} must be 'csr' or 'off', not {self.tls!r}")
+        if self.tls not in ("csr", "files", "off"):
+            raise ValueError(f"{TLS_ENV} must be 'csr', 'files' or 'off', not {self.tls!r}")
+        if self.tls == "files" and not self.tls_dir:
+            raise ValueError(f"{TLS_ENV}=files needs {TLS_DIR_ENV} (the folder of tls.key, tls.crt and ca.crt)")
 
     def pod_ips(self) -> tuple[str, ...]:
         """The IPs the certificate names: $GPUOBJ_POD_IP (the downward API's status.podIP), else the advertised host."""

@@ -144,7 +144,9 @@ class AgentCertificate:
     and every handshake after that presents the new certificate.
     """
 
-    def __init__(self, kube: KubeClient, namespace: str, pod_name: str, pod_uid: str, ips: tuple[str, ...]) -> None:
+    def __init__(
+        self, kube: KubeClient | None, namespace: str, pod_name: str, pod_uid: str, ips: tuple[str, ...]
+    ) -> None:
         self.kube = kube
         self.namespace, self.pod_name, self.pod_uid, self.ips = namespace, pod_name, pod_uid, ips
         self._dir = Path(tempfile.mkdtemp(prefix="gpuobj-agent-tls-"))
@@ -180,6 +182,7 @@ class AgentCertificate:
         self.issued = issued
 
     async def obtain(self, timeout: float = ISSUE_TIMEOUT) -> Issued:
+        assert self.kube is not None, "no API client: this certificate comes from files"
         issued = await request_certificate(
             self.kube, self.namespace, self.pod_name, self.pod_uid, self.ips, timeout=timeout
         )
@@ -191,8 +194,31 @@ class AgentCertificate:
     def pod_uri(self) -> str:
         return agent_tls.pod_uri(self.namespace, self.pod_name, self.pod_uid)
 
-    def start_renewal(self) -> None:
-        self._task = asyncio.create_task(self._renew(), name="gpuobj-agent-cert-renewal")
+    def load_files(self, folder: Path) -> Issued:
+        """A certificate issued elsewhere (cert-manager's CSI driver, a bench): `tls.key`, `tls.crt` (the
+        leaf, or leaf and CA) and `ca.crt` in `folder`. The files are read again when they change."""
+        key_pem = (folder / "tls.key").read_bytes()
+        chain = (folder / "tls.crt").read_bytes()
+        ca_pem = (folder / "ca.crt").read_bytes()
+        leaf = x509.load_pem_x509_certificates(chain)[0]
+        leaf.verify_directly_issued_by(x509.load_pem_x509_certificate(ca_pem))
+        issued = Issued(key_pem, chain, ca_pem, leaf.not_valid_before_utc, leaf.not_valid_after_utc)
+        if self.issued != issued:
+            self._install(issued)
+        return issued
+
+    def start_renewal(self, files: Path | None = None) -> None:
+        """Renew through the signer before expiry; or, with `files`, reload them when they change."""
+        work = self._renew() if files is None else self._reload(files)
+        self._task = asyncio.create_task(work, name="gpuobj-agent-cert-renewal")
+
+    async def _reload(self, folder: Path) -> None:
+        while True:
+            await asyncio.sleep(RETRY_SECONDS)
+            try:
+                self.load_files(folder)
+            except (OSError, ValueError) as exc:  # mid-rotation, or a bad file: keep serving the current one
+                log.warning("reading the certificate files in %s failed: %s", folder, exc)
 
     async def _renew(self) -> None:
         while True:
