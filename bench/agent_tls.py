@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import os
 import re
 import secrets
@@ -28,17 +29,17 @@ from pathlib import Path
 
 import aiohttp
 
-from gpuobj_agent.tls import make_request
+from gpuobj_agent.tls import client_context, make_request
 from gpuobj_contract import agent_tls, names
 from gpuobj_dev.testing.issuer import OPERATOR, default_issuer
-from gpuobj_operator.agent_ca import CertificateAuthority, parse_request
+from gpuobj_operator.agent_ca import CertificateAuthority, ClientCertificate, parse_request
 
 NAMESPACE = "bench"
 LISTENING = re.compile(r"gpuobj agent listening on (https?)://(\S+)")
 
 
-def issue_files(folder: Path, pod: str, uid: str) -> bytes:
-    ca = CertificateAuthority.generate()
+def issue_files(ca: CertificateAuthority, folder: Path, pod: str, uid: str) -> None:
+    """What the signer would issue pod `pod`: its key, the leaf and CA, the CA (as tls.key, tls.crt, ca.crt)."""
     key_pem, csr_pem = make_request(NAMESPACE, pod, uid, ("127.0.0.1",))
     leaf = ca.issue(
         parse_request(csr_pem).public_key,
@@ -46,13 +47,12 @@ def issue_files(folder: Path, pod: str, uid: str) -> bytes:
         dns_names=(agent_tls.pod_dns_name(uid),),
         ips=("127.0.0.1",),
         uris=(agent_tls.pod_uri(NAMESPACE, pod, uid),),
-        lifetime=__import__("datetime").timedelta(hours=1),
+        lifetime=dt.timedelta(hours=1),
     )
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "tls.key").write_bytes(key_pem)
     (folder / "tls.crt").write_bytes(leaf + ca.cert_pem)
     (folder / "ca.crt").write_bytes(ca.cert_pem)
-    return ca.cert_pem
 
 
 def start_agent(pod: str, uid: str, issuer_url: str, env: dict[str, str], log: Path) -> tuple[subprocess.Popen, str]:
@@ -74,24 +74,28 @@ def start_agent(pod: str, uid: str, issuer_url: str, env: dict[str, str], log: P
 
 
 class Target:
-    def __init__(self, name: str, endpoint: str, uid: str, tls: ssl.SSLContext | None) -> None:
-        self.name, self.endpoint, self.uid, self.tls = name, endpoint, uid, tls
+    """One agent, and how to call it: over TLS as the operator (its client certificate) or as a reader pod."""
+
+    def __init__(self, name: str, endpoint: str, uid: str, tls: tuple[ssl.SSLContext, ssl.SSLContext] | None) -> None:
+        self.name, self.endpoint, self.uid = name, endpoint, uid
         self.base = f"{'https' if tls else 'http'}://{endpoint}"
-        self.verify = {"ssl": tls, "server_hostname": agent_tls.pod_dns_name(uid)} if tls else {}
+        host = agent_tls.pod_dns_name(uid)
+        self.as_operator = {"ssl": tls[0], "server_hostname": host} if tls else {}
+        self.as_reader = {"ssl": tls[1], "server_hostname": host} if tls else {}
 
 
 async def one(session: aiohttp.ClientSession, t: Target, kind: str, op: str, reader: str) -> float:
     started = time.perf_counter()
     if kind == "info":
-        async with session.get(f"{t.base}/v1/info", headers={**op_headers(op, t)}, **t.verify) as r:
+        async with session.get(f"{t.base}/v1/info", headers={**op_headers(op, t)}, **t.as_operator) as r:
             assert r.status == 200, await r.text()
             await r.read()
     else:
         headers = {"Authorization": f"Bearer {reader}", names.HEADER_POD_UID: t.uid}
-        async with session.post(f"{t.base}/v1/objects/bench-obj/reads", json={}, headers=headers, **t.verify) as r:
+        async with session.post(f"{t.base}/v1/objects/bench-obj/reads", json={}, headers=headers, **t.as_reader) as r:
             assert r.status == 200, await r.text()
             read_id = (await r.json())["readId"]
-        async with session.delete(f"{t.base}/v1/reads/{read_id}", headers=headers, **t.verify) as r:
+        async with session.delete(f"{t.base}/v1/reads/{read_id}", headers=headers, **t.as_reader) as r:
             assert r.status == 200, await r.text()
     return (time.perf_counter() - started) * 1000
 
@@ -108,7 +112,7 @@ async def run(args: argparse.Namespace, targets: list[Target], op: str, reader: 
         for t in targets:  # materialize the object read below (operator route), and warm the connections
             body = {"tensors": [{"shape": [256], "dtype": "float32", "device": "cpu"}]}
             async with kept[t.name].put(
-                f"{t.base}/v1/objects/bench-obj", json=body, headers=op_headers(op, t), **t.verify
+                f"{t.base}/v1/objects/bench-obj", json=body, headers=op_headers(op, t), **t.as_operator
             ) as r:
                 assert r.status == 200, await r.text()
             for kind in ("info", "ticket"):
@@ -142,7 +146,10 @@ def main() -> None:
     issuer = default_issuer()
     work = Path(tempfile.mkdtemp(prefix="gpuobj-bench-tls-"))
     uid_plain, uid_tls = (f"{secrets.token_hex(4)}-0000-4000-8000-{secrets.token_hex(6)}" for _ in range(2))
-    ca_pem = issue_files(work / "tls", "agent-tls", uid_tls)
+    ca = CertificateAuthority.generate()
+    issue_files(ca, work / "tls", "agent-tls", uid_tls)
+    reader_uid = "11111111-2222-4333-8444-555555555555"
+    issue_files(ca, work / "reader", "bench-reader", reader_uid)
     base = {"GPUOBJ_REVOCATION_FAIL_CLOSED_SECONDS": "0"}
     procs = []
     try:
@@ -152,10 +159,12 @@ def main() -> None:
         tls, tls_ep = start_agent("agent-tls", uid_tls, issuer.url, {**base, "GPUOBJ_AGENT_TLS": "files",
                                   "GPUOBJ_AGENT_TLS_DIR": str(work / "tls")}, work / "tls.log")  # fmt: skip
         procs.append(tls)
-        ctx = ssl.create_default_context(cadata=ca_pem.decode())
-        targets = [Target("http", plain_ep, uid_plain, None), Target("https", tls_ep, uid_tls, ctx)]
+        # mTLS as in the cluster: the operator's client certificate names its ServiceAccount, a reader's its pod.
+        op_ctx = ClientCertificate(ca, *OPERATOR.split("/"), folder=work).context
+        reader_ctx = client_context(ca.cert_pem, (str(work / "reader" / "tls.crt"), str(work / "reader" / "tls.key")))
+        targets = [Target("http", plain_ep, uid_plain, None), Target("https", tls_ep, uid_tls, (op_ctx, reader_ctx))]
         op = issuer.token(OPERATOR)
-        reader = issuer.token(f"{NAMESPACE}/default", pod=("bench-reader", "11111111-2222-4333-8444-555555555555"))
+        reader = issuer.token(f"{NAMESPACE}/default", pod=("bench-reader", reader_uid))
         load_before = os.getloadavg()
         results = asyncio.run(run(args, targets, op, reader))
         load_after = os.getloadavg()

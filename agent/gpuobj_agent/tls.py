@@ -174,6 +174,9 @@ class AgentCertificate:
             Path(path + ".new").replace(path)
         self.server_context.load_cert_chain(self.chain_file, self.key_file)
         if self.issued is None or self.issued.ca_pem != issued.ca_pem:
+            # Callers may present a certificate of the same CA (mTLS): server.py binds their token to it.
+            self.server_context.verify_mode = ssl.CERT_OPTIONAL
+            self.server_context.load_verify_locations(cadata=issued.ca_pem.decode())
             # Callers (this agent's fetches) trust the CA that signed us, and present our certificate.
             self.client_context = client_context(issued.ca_pem, (self.chain_file, self.key_file))
         else:

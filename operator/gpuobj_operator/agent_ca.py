@@ -11,7 +11,11 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import ipaddress
+import json
+import ssl
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -173,3 +177,54 @@ async def load_or_create(kube: KubeClient, namespace: str, name: str) -> Certifi
         return CertificateAuthority.from_pem(base64.b64decode(data["tls.crt"]), base64.b64decode(data["tls.key"]))
     except (KeyError, ValueError) as exc:
         raise RuntimeError(f"Secret {namespace}/{name} does not hold a usable CA (tls.crt, tls.key): {exc}") from None
+
+
+def service_account_of(token: str) -> tuple[str, str]:
+    """(namespace, name) of our own ServiceAccount token's subject (read, not verified: it is ours)."""
+    try:
+        payload = token.split(".")[1]
+        claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+        sub = claims["sub"]
+    except (IndexError, KeyError, ValueError) as exc:
+        raise ValueError(f"the operator's token is not a JWT with a subject: {exc}") from None
+    prefix = "system:serviceaccount:"
+    ns, _, name = sub.removeprefix(prefix).partition(":")
+    if not sub.startswith(prefix) or not ns or not name:
+        raise ValueError(f"the operator's token names no ServiceAccount ({sub!r})")
+    return ns, name
+
+
+class ClientCertificate:
+    """The operator's own client certificate for agents (mTLS), issued by the CA it holds, renewed in place.
+
+    Agents accept the operator's token only over a connection whose client certificate names the same
+    ServiceAccount (`spiffe://gpuobj.io/ns/<ns>/sa/<name>`): a token replayed without this key is refused.
+    `context` is one SSLContext for the operator's life; `maybe_renew` loads a fresh certificate into it.
+    """
+
+    def __init__(self, ca: CertificateAuthority, namespace: str, name: str, *, folder: Path | None = None) -> None:
+        self.ca = ca
+        self.uri = agent_tls.service_account_uri(namespace, name)
+        self._dir = folder or Path(tempfile.mkdtemp(prefix="gpuobj-operator-tls-"))
+        self.context = ssl.create_default_context(cadata=ca.cert_pem.decode())
+        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
+        self.renew_at = dt.datetime.min.replace(tzinfo=dt.UTC)
+        self.maybe_renew()
+
+    def maybe_renew(self, now: dt.datetime | None = None) -> None:
+        now = now or dt.datetime.now(dt.UTC)
+        if now < self.renew_at:
+            return
+        key = ec.generate_private_key(ec.SECP256R1())
+        life = dt.timedelta(seconds=agent_tls.MAX_LIFETIME_SECONDS)
+        cert = self.ca.issue(key.public_key(), common_name=self.uri, uris=(self.uri,), lifetime=life, now=now)
+        key_file, cert_file = self._dir / "tls.key", self._dir / "tls.crt"
+        key_file.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+        key_file.chmod(0o600)
+        cert_file.write_bytes(cert + self.ca.cert_pem)
+        self.context.load_cert_chain(str(cert_file), str(key_file))
+        self.renew_at = now + life * agent_tls.RENEW_FRACTION

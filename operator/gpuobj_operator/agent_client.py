@@ -21,6 +21,7 @@ import dataclasses
 import errno
 import json
 import ssl
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
@@ -97,9 +98,11 @@ class AgentClient:
         timeout: float = 10.0,
         free_timeout: float = 60.0,
         tls: ssl.SSLContext | None = None,
+        renew: Callable[[], None] | None = None,
     ) -> None:
         self.token_file = token_file
         self.tls = tls  # trusts the agent CA only; None: plain HTTP (agents with GPUOBJ_AGENT_TLS=off)
+        self._renew = renew  # renews the client certificate in `tls` when due (agent_ca.ClientCertificate)
         self.timeout = timeout
         self.free_timeout = free_timeout
         self._session: aiohttp.ClientSession | None = None
@@ -131,6 +134,8 @@ class AgentClient:
     ) -> dict:
         if not pod_uid:
             raise AgentError(409, f"no pod uid to hold the agent at {endpoint} to; refusing to call it")
+        if self._renew is not None:
+            self._renew()
         url = f"{'https' if self.tls else 'http'}://{endpoint}{path}"
         verify: dict = {} if self.tls is None else {"ssl": self.tls, "server_hostname": agent_tls.pod_dns_name(pod_uid)}
         try:

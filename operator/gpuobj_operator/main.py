@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import socket
-import ssl
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from gpuobj_kube.client import CLAIMS, PODS, KubeClient
 from gpuobj_kube.config import KubeConfig
 from gpuobj_kube.config import load as load_config
 from gpuobj_kube.informer import Informer
-from gpuobj_operator.agent_ca import load_or_create
+from gpuobj_operator.agent_ca import ClientCertificate, load_or_create, service_account_of
 from gpuobj_operator.agent_client import AgentClient
 from gpuobj_operator.claimcheck import Watermark
 from gpuobj_operator.events import EventRecorder
@@ -279,8 +278,15 @@ async def run(args: argparse.Namespace) -> int:
     signer = Signer(kube, ca, namespace=args.namespace) if ca is not None and args.agent_signer else None
     if signer is not None:
         signer.start()  # every replica signs (an answer is one write; a lost race is a 409)
-    tls = ssl.create_default_context(cadata=ca.cert_pem.decode()) if ca is not None and args.agent_tls == "on" else None
-    agents = AgentClient(Path(args.token_file) if args.token_file else None, tls=tls)
+    client_cert = None
+    if ca is not None and args.agent_tls == "on":  # mTLS: agents bind our token to this certificate
+        token = (await asyncio.to_thread(Path(args.token_file).read_text)).strip() if args.token_file else ""
+        client_cert = ClientCertificate(ca, *service_account_of(token))
+    agents = AgentClient(
+        Path(args.token_file) if args.token_file else None,
+        tls=client_cert.context if client_cert else None,
+        renew=client_cert.maybe_renew if client_cert else None,
+    )
     events = EventRecorder(kube, "gpuobj-operator", args.identity)
     events.start()
     rc = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import socket
 import ssl
 import threading
@@ -18,16 +19,18 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import aiohttp
 import pytest
 
-from gpuobj_agent.tls import Issued, make_request, request_certificate
-from gpuobj_contract import agent_tls
+from gpuobj_agent.tls import Issued, client_context, make_request, request_certificate
+from gpuobj_contract import agent_tls, names
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.identities import WORKLOAD_SA, credentials
 from gpuobj_dev.testing.operator import OperatorProcess
 from gpuobj_dev.testing.pods import create_agent_pod
 from gpuobj_kube.client import CSRS, KubeClient, wait_for
 from gpuobj_kube.config import from_kubeconfig
+from gpuobj_operator.agent_ca import CertificateAuthority, ClientCertificate
 from gpuobj_operator.agent_client import AgentClient, AgentNotVerified, AgentUnreachable
 from gpuobj_operator.signer import requester
 from tests.e2e.operator.conftest import Pods, kube, start_operator
@@ -260,3 +263,61 @@ def test_a_reader_fetches_from_a_tls_source_over_https_verified_by_its_pod_uid(
     src.run("ref.release()")
     reader.run("h.release(); client.flush()")
     wait_object(gpuobj_cluster, namespace, "w", lambda o: o is None)
+
+
+def _ca(cluster: ClusterHandle, namespace: str) -> CertificateAuthority:
+    """The agent CA from its Secret (the test plays the cluster admin, who may read it)."""
+    out = cluster.kubectl("get", "secret", "gpuobj-agent-ca", "-n", namespace, "-o", "json").stdout
+    data = json.loads(out)["data"]
+    return CertificateAuthority.from_pem(base64.b64decode(data["tls.crt"]), base64.b64decode(data["tls.key"]))
+
+
+def _get(endpoint: str, path: str, token: str, uid: str, ctx: ssl.SSLContext | None, method: str = "GET") -> int:
+    async def go() -> int:
+        verify = {"ssl": ctx, "server_hostname": agent_tls.pod_dns_name(uid)} if ctx else {}
+        headers = {"Authorization": f"Bearer {token}", names.HEADER_POD_UID: uid}
+        async with aiohttp.ClientSession() as s:
+            url = f"{'https' if ctx else 'http'}://{endpoint}{path}"
+            body = None if method == "GET" else {}
+            timeout = aiohttp.ClientTimeout(total=30)
+            async with s.request(method, url, json=body, headers=headers, timeout=timeout, **verify) as r:
+                return r.status
+
+    return asyncio.run(go())
+
+
+def test_the_operators_token_replayed_at_another_agent_is_refused(
+    gpuobj_cluster: ClusterHandle, namespace: str, tls_operator: OperatorProcess, pods: Pods, token_file: Path,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """A pod that received the operator's token (every agent does) replays it at agent `b`, with `b`'s uid
+    (readable in any GPUObject's spec.source). Before: 200 on the inventory (a plain agent still answers so,
+    below). Now the token counts only over a connection whose client certificate names the operator's
+    ServiceAccount: without the operator's key, 401."""
+    pods.workload("plain")
+    pods.workload("b", env=TLS_ENV)
+    token = token_file.read_text().strip()
+    assert _get(pods.endpoint("plain"), "/v1/objects", token, pods.uids["plain"], None) == 200  # the hole
+    ca = _ca(gpuobj_cluster, namespace)
+    no_cert = ssl.create_default_context(cadata=ca.cert_pem.decode())
+    assert _get(pods.endpoint("b"), "/v1/objects", token, pods.uids["b"], no_cert) == 401
+    # With a certificate of its own (mallory's pod certificate, from the signer): still 401.
+    mallory_uid, mallory = _as_pod(gpuobj_cluster, namespace, "mallory", tmp_path)
+    try:
+        own = _with_pod_client(
+            mallory.kubeconfig,
+            lambda k: request_certificate(k, namespace, "mallory", mallory_uid, ("127.0.0.1",), timeout=30),
+        )
+        (tmp_path / "m.crt").write_bytes(own.chain_pem)
+        (tmp_path / "m.key").write_bytes(own.key_pem)
+        as_mallory = client_context(ca.cert_pem, (str(tmp_path / "m.crt"), str(tmp_path / "m.key")))
+        assert _get(pods.endpoint("b"), "/v1/objects", token, pods.uids["b"], as_mallory) == 401
+        # A reader's token is bound the same way: b's own read token presented with mallory's certificate.
+        b_token = pods.agent_token("b").read_text().strip()
+        reads = "/v1/objects/x/reads"
+        assert _get(pods.endpoint("b"), reads, b_token, pods.uids["b"], as_mallory, "POST") == 401
+    finally:
+        mallory.stop()
+    # The operator's own key (what the running operator holds) opens it: the binding, not TLS alone, refused.
+    operator_cert = ClientCertificate(ca, namespace, "gpuobj-operator", folder=tmp_path)
+    assert _get(pods.endpoint("b"), "/v1/objects", token, pods.uids["b"], operator_cert.context) == 200
