@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import socket
 import ssl
@@ -22,7 +23,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gpuobj_agent.tls import Issued, client_context, make_request, request_certificate
+from gpuobj_agent.tls import AgentCertificate, Issued, client_context, make_request, request_certificate
 from gpuobj_contract import agent_tls, names
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.identities import WORKLOAD_SA, credentials
@@ -321,3 +322,37 @@ def test_the_operators_token_replayed_at_another_agent_is_refused(
     # The operator's own key (what the running operator holds) opens it: the binding, not TLS alone, refused.
     operator_cert = ClientCertificate(ca, namespace, "gpuobj-operator", folder=tmp_path)
     assert _get(pods.endpoint("b"), "/v1/objects", token, pods.uids["b"], operator_cert.context) == 200
+
+
+def test_an_agent_certificate_is_renewed_before_it_expires(
+    gpuobj_cluster: ClusterHandle, namespace: str, tls_operator: OperatorProcess, tmp_path: Path
+) -> None:
+    """The renewal loop, against the real signer: a certificate whose renewal time has come is replaced
+    (a new CSR, a new key) in the same server context. The lifetime is the CSR API's (>= 600 s), so the
+    certificate is made to look older instead of waiting."""
+    uid, creds = _as_pod(gpuobj_cluster, namespace, "renewing", tmp_path)
+
+    async def go(k: KubeClient) -> tuple[Issued, Issued, int]:
+        cert = AgentCertificate(k, namespace, "renewing", uid, ("127.0.0.1",))
+        first = await cert.obtain()
+        life = first.not_after - first.not_before  # renewal is due at 2/3 of it: make it 3 lifetimes old
+        cert.issued = dataclasses.replace(first, not_before=first.not_before - 3 * life)
+        cert.start_renewal()
+        try:
+            await asyncio.wait_for(_renewed(cert), timeout=60)
+        finally:
+            await cert.close()
+        assert cert.issued is not None
+        return first, cert.issued, cert.renewals
+
+    try:
+        first, second, renewals = _with_pod_client(creds.kubeconfig, go)
+    finally:
+        creds.stop()
+    assert renewals >= 1 and second.key_pem != first.key_pem and second.chain_pem != first.chain_pem
+    assert second.not_after >= first.not_after
+
+
+async def _renewed(cert: AgentCertificate) -> None:
+    while cert.renewals == 0:  # noqa: ASYNC110 - the certificate has no event to wait on; bounded by wait_for
+        await asyncio.sleep(0.05)
