@@ -267,6 +267,15 @@ def test_the_chart_renders_no_shared_token_in_any_namespace() -> None:
     assert "--allow-agent-host-annotation" in args["containers"][0]["args"]
 
 
+def test_agent_tls_is_on_by_default_and_one_value_turns_it_off() -> None:
+    args = one(render(), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--agent-tls=on" in args and "--agent-ca-secret=t-gpuobj-agent-ca" in args
+    parsed = build_parser().parse_args([a for a in args if "$(" not in a])
+    assert parsed.agent_tls == "on" and parsed.agent_ca_secret == "t-gpuobj-agent-ca" and parsed.agent_signer
+    off = one(render(values={"agentTLS": {"enabled": False}}), "Deployment")["spec"]["template"]["spec"]
+    assert "--agent-tls=off" in off["containers"][0]["args"]
+
+
 # ------------------------------------------------------------------ docs and versions
 
 
