@@ -17,6 +17,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -31,7 +32,9 @@ from gpuobj_agent.nixl_state import NixlState
 from gpuobj_agent.nixl_transport import NixlAgent
 from gpuobj_agent.server import build_app
 from gpuobj_agent.store import ObjectStore, iso_time
+from gpuobj_agent.tls import AgentCertificate
 from gpuobj_contract import agent_api as api
+from gpuobj_kube.client import KubeClient
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +106,8 @@ class Agent:
         self._trim_task: asyncio.Task | None = None
         self._extra_routes = extra_routes
         self._runner: web.AppRunner | None = None
+        self.certificate: AgentCertificate | None = None  # config.tls == "csr": the serving certificate
+        self._kube: KubeClient | None = None
         self.port: int | None = None
         self._stopped = False
         # Set by an embedded client: takes a receiver's release of a claim this process made for it.
@@ -115,8 +120,31 @@ class Agent:
     def endpoint(self) -> str:
         return f"{self.config.advertise_host()}:{self.port}"
 
+    async def _obtain_certificate(self) -> None:
+        """Ask the operator's signer for this pod's certificate (with the pod's own API token): before
+        anything is served, so no request is ever answered in plain text."""
+        from gpuobj_kube.config import load
+
+        c = self.config
+        if c.tls == "files":
+            assert c.tls_dir is not None
+            self.certificate = AgentCertificate(None, c.namespace, c.pod_name, c.pod_uid, c.pod_ips())
+            self.certificate.load_files(Path(c.tls_dir))
+            self.certificate.start_renewal(Path(c.tls_dir))
+            return
+        self._kube = KubeClient(load(c.kubeconfig))
+        self.certificate = AgentCertificate(self._kube, c.namespace, c.pod_name, c.pod_uid, c.pod_ips())
+        await self.certificate.obtain()
+        self.certificate.start_renewal()
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.certificate is not None else "http"
+
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        if self.config.tls != "off":
+            await self._obtain_certificate()
         try:  # fetch the issuer keys now, so the first request does not wait; a failure is retried then
             await self.tokens.keys.refresh()
         except Exception as exc:
@@ -137,6 +165,9 @@ class Agent:
             pool=self.pool,
         )
         await self.fetcher.start()
+        if self.certificate is not None:
+            cert = self.certificate
+            self.fetcher.tls = lambda: cert.client_context
         self.store.start_pump()
         self._trim_task = asyncio.create_task(self._trim(), name="gpuobj-landing-trim")
         app = build_app(self, self._extra_routes)
@@ -144,7 +175,13 @@ class Agent:
             app, access_log=None, handle_signals=False, shutdown_timeout=self.config.shutdown_grace
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
+        site = web.TCPSite(
+            self._runner,
+            self.config.host,
+            self.config.port,
+            reuse_address=True,
+            ssl_context=self.certificate.server_context if self.certificate else None,
+        )
         await site.start()
         self.port = int(self._runner.addresses[0][1])
         log.info("gpuobj agent %s listening on %s", self.base_name, self.endpoint)
@@ -170,6 +207,10 @@ class Agent:
         await store.release_all()
         await self.fencer.close()
         await self.tokens.close()
+        if self.certificate is not None:
+            await self.certificate.close()
+        if self._kube is not None:
+            await self._kube.close()
         self._transfers.shutdown(wait=True)  # no read is running when the reader agent goes
         if self.pool is not None:
             self.pool.close()

@@ -23,6 +23,8 @@ REVOCATION_ENV = "GPUOBJ_REVOCATION_FAIL_CLOSED_SECONDS"
 OPERATOR_SA_ENV = "GPUOBJ_OPERATOR_SERVICEACCOUNT"
 ALLOW_CMA_ENV = "GPUOBJ_ALLOW_CMA"
 MAX_STORE_BYTES_ENV = "GPUOBJ_MAX_STORE_BYTES"
+TLS_ENV = "GPUOBJ_AGENT_TLS"  # "csr": serve HTTPS with a certificate from the operator's signer; "off": plain HTTP
+TLS_DIR_ENV = "GPUOBJ_AGENT_TLS_DIR"  # with GPUOBJ_AGENT_TLS=files: tls.key, tls.crt, ca.crt issued elsewhere
 LANDING_IDLE_BYTES_ENV = "GPUOBJ_LANDING_IDLE_BYTES"  # idle landing memory kept registered (a reader of big objects)
 # The operator's ServiceAccount in deploy/ (the chart sets $GPUOBJ_OPERATOR_SERVICEACCOUNT in its NOTES).
 DEFAULT_OPERATOR_SA = "gpuobj-system/gpuobj-operator"
@@ -55,6 +57,12 @@ class AgentConfig:
     # ServiceAccount's token is refused within about 4 s), and with no review answered for this many seconds
     # (the API server unreachable) the agent refuses every token. 0: no revocation checks.
     revocation_fail_closed_after: float = field(default_factory=lambda: float(os.environ.get(REVOCATION_ENV, "60")))
+    # TLS (agent/gpuobj_agent/tls.py, docs/security.md): "csr" asks the operator's signer for a certificate
+    # naming this pod at start (with the pod's own API token), serves HTTPS only and renews it before it
+    # expires; "files" serves a certificate issued elsewhere (tls_dir: cert-manager's CSI driver, benches),
+    # read again when the files change; "off" serves plain HTTP (agents outside Kubernetes, tests of that path).
+    tls: str = field(default_factory=lambda: os.environ.get(TLS_ENV, "off") or "off")
+    tls_dir: str | None = field(default_factory=lambda: os.environ.get(TLS_DIR_ENV) or None)
     # Seconds a free waits for in-flight reads of its object before answering 503.
     free_wait_timeout: float = 30.0
     # A read ticket counts as in flight for read_lease seconds plus its bytes at lease_bytes_per_second,
@@ -96,6 +104,16 @@ class AgentConfig:
     # registration bounds it. Off unless allowed (only where every process that can reach this one by
     # cma is trusted with all of its memory: one pod, or a single-tenant node). See docs/security.md.
     allow_cma: bool = field(default_factory=lambda: os.environ.get(ALLOW_CMA_ENV, "") == "true")
+
+    def __post_init__(self) -> None:
+        if self.tls not in ("csr", "files", "off"):
+            raise ValueError(f"{TLS_ENV} must be 'csr', 'files' or 'off', not {self.tls!r}")
+        if self.tls == "files" and not self.tls_dir:
+            raise ValueError(f"{TLS_ENV}=files needs {TLS_DIR_ENV} (the folder of tls.key, tls.crt and ca.crt)")
+
+    def pod_ips(self) -> tuple[str, ...]:
+        """The IPs the certificate names: $GPUOBJ_POD_IP (the downward API's status.podIP), else the advertised host."""
+        return (os.environ.get(POD_IP_ENV) or self.advertise_host(),)
 
     def lease_for(self, nbytes: int) -> float:
         return self.read_lease + nbytes / self.lease_bytes_per_second

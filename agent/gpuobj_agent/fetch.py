@@ -23,9 +23,10 @@ import asyncio
 import base64
 import contextlib
 import logging
+import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,7 @@ from gpuobj_agent.layouts import TensorLayout, allocate, normalize_device
 from gpuobj_agent.metrics import AgentMetrics
 from gpuobj_agent.nixl_transport import NixlAgent, Span
 from gpuobj_contract import agent_api as api
+from gpuobj_contract import agent_tls, names
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +131,9 @@ class Fetcher:
         self._bound_bytes = 0  # landing memory bound to prepared reads
         self._closed = False
         pool.on_trim.append(self._trim_prepared)
+        # Set when this agent serves TLS (tls.AgentCertificate.client_context): every request to another
+        # agent is then HTTPS, verified to name the source pod's uid, or is not sent.
+        self.tls: Callable[[], ssl.SSLContext | None] = lambda: None
         self._in_bytes = metrics.transfer_bytes.labels(direction="in")
         self._in_seconds = metrics.transfer_seconds.labels(direction="in")
 
@@ -171,8 +176,12 @@ class Fetcher:
         device: str = "cpu",
         token: str | None = None,
         timeout: float | None = None,
+        pod_uid: str | None = None,
     ) -> list[torch.Tensor]:
-        """The object's tensors, newly allocated on `device`; raises FetchError (or a subclass) on failure."""
+        """The object's tensors, newly allocated on `device`; raises FetchError (or a subclass) on failure.
+
+        `pod_uid`: the source pod's, named on each request (the agent refuses one meant for another pod)
+        and, over TLS, the name its certificate must carry."""
         started = time.monotonic()
         deadline = started + (timeout if timeout is not None else self.default_timeout)
         try:
@@ -180,6 +189,8 @@ class Fetcher:
         except BadRequest as exc:
             raise FetchError(str(exc)) from None
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if pod_uid:
+            headers[names.HEADER_POD_UID] = pod_uid
         answer = await self._request(
             api.BEGIN_READ,
             endpoint,
@@ -229,6 +240,7 @@ class Fetcher:
         device: str = "cpu",
         token: str | None = None,
         timeout: float | None = None,
+        pod_uid: str | None = None,
     ) -> list[torch.Tensor]:
         """Read with a grant the source handed over (store.grant): no request to the source at all.
 
@@ -247,7 +259,9 @@ class Fetcher:
         except (SourceUnavailable, FetchError) as exc:
             log.debug("grant for %s on %s no longer serves (%s); asking for a ticket", object_id, endpoint, exc)
             left = deadline - time.monotonic()
-            return await self.fetch(endpoint, object_id, device=device, token=token, timeout=max(left, 0.001))
+            return await self.fetch(
+                endpoint, object_id, device=device, token=token, timeout=max(left, 0.001), pod_uid=pod_uid
+            )
         self.metrics.transfer_bytes.labels(direction="in").inc(sum(t.nbytes for t in tensors))
         self.metrics.transfer_seconds.labels(direction="in").observe(time.monotonic() - started)
         return tensors
@@ -584,10 +598,17 @@ class Fetcher:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise FetchError(f"fetch from {endpoint} timed out")
-        url = f"http://{endpoint}{path}"
+        tls = self.tls()
+        verify: dict[str, Any] = {}
+        if tls is not None:
+            pod_uid = headers.get(names.HEADER_POD_UID)
+            if not pod_uid:  # never send a token to a listener we cannot hold to a pod
+                raise FetchError(f"cannot verify the agent at {endpoint}: the source pod's uid is not known")
+            verify = {"ssl": tls, "server_hostname": agent_tls.pod_dns_name(pod_uid)}
+        url = f"{'https' if tls is not None else 'http'}://{endpoint}{path}"
         try:
             async with self._session.request(
-                method, url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=remaining)
+                method, url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=remaining), **verify
             ) as resp:
                 try:
                     data = await resp.json(content_type=None)
@@ -603,6 +624,8 @@ class Fetcher:
                 if resp.status == 403:
                     raise ReadRefused(f"{endpoint} refused the read: {message or 'forbidden'}")
                 raise FetchError(f"{method} {path} on {endpoint} failed: {resp.status} {message or ''}".strip())
+        except (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError) as exc:
+            raise SourceUnavailable(f"the agent at {endpoint} is not the source pod's (TLS): {exc}") from None
         except (aiohttp.ClientConnectionError, OSError) as exc:
             self.forget_source(endpoint)
             raise SourceUnavailable(f"source agent {endpoint} is unreachable: {exc}") from None

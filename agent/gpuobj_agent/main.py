@@ -148,7 +148,7 @@ async def serve(config: AgentConfig, extra_routes: Callable[[web.Application], N
     try:
         await agent.start()
         print(
-            f"gpuobj agent listening on http://{agent.endpoint} (pod {config.namespace}/{config.pod_name}, "
+            f"gpuobj agent listening on {agent.scheme}://{agent.endpoint} (pod {config.namespace}/{config.pod_name}, "
             f"incarnation {agent.incarnation}, NIXL agent {agent.nixl.gens.active.name})",
             flush=True,
         )
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(args)
     try:
         return asyncio.run(serve(config))
-    except (ValueError, RuntimeError) as exc:  # no operator named, no kubeconfig for the issuer keys
+    except (ValueError, RuntimeError) as exc:  # no operator named, no kubeconfig, CSR refused
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

@@ -141,6 +141,11 @@ class AgentRuntime:
         return self.agent.endpoint
 
     @property
+    def serves_tls(self) -> bool:
+        """This agent serves (and calls other agents over) TLS: GPUOBJ_AGENT_TLS=csr."""
+        return self.agent.certificate is not None
+
+    @property
     def incarnation(self) -> str:
         """This agent process's random id: records made for it die with it (docs/agent-api.md)."""
         return self.agent.incarnation
@@ -200,10 +205,18 @@ class AgentRuntime:
         return self.agent.store.unpublish(key)
 
     async def _fetch(
-        self, endpoint: str, object_id: str, device: str, token: str | None, timeout: float | None
+        self,
+        endpoint: str,
+        object_id: str,
+        device: str,
+        token: str | None,
+        timeout: float | None,
+        pod_uid: str | None = None,
     ) -> list[torch.Tensor]:
         assert self.agent.fetcher is not None
-        return await self.agent.fetcher.fetch(endpoint, object_id, device=device, token=token, timeout=timeout)
+        return await self.agent.fetcher.fetch(
+            endpoint, object_id, device=device, token=token, timeout=timeout, pod_uid=pod_uid
+        )
 
     async def _inventory(self) -> dict[str, Any]:
         return self.agent.inventory().to_json()
@@ -286,8 +299,9 @@ class AgentRuntime:
         device: str = "cpu",
         token: str | None = None,
         timeout: float | None = None,
+        pod_uid: str | None = None,
     ) -> list[torch.Tensor]:
-        return await self._acall(self._fetch(endpoint, object_id, device, token, timeout))
+        return await self._acall(self._fetch(endpoint, object_id, device, token, timeout, pod_uid))
 
     async def agrant(self, object_id: str) -> dict[str, Any]:
         """A read grant for an object held here (store.grant), to embed in a hand-off."""
@@ -302,11 +316,14 @@ class AgentRuntime:
         device: str = "cpu",
         token: str | None = None,
         timeout: float | None = None,
+        pod_uid: str | None = None,
     ) -> list[torch.Tensor]:
         """Read with a grant (no request to the source; a ticket only if the grant went stale)."""
         assert self.agent.fetcher is not None
         return await self._acall(
-            self.agent.fetcher.fetch_granted(endpoint, object_id, grant, device=device, token=token, timeout=timeout)
+            self.agent.fetcher.fetch_granted(
+                endpoint, object_id, grant, device=device, token=token, timeout=timeout, pod_uid=pod_uid
+            )
         )
 
     def fetch_granted_direct(

@@ -22,12 +22,12 @@ from aiohttp import web
 
 from gpuobj_agent.auth import Caller, Forbidden
 from gpuobj_agent.config import AgentConfig
-from gpuobj_agent.errors import AgentError, BadRequest, Conflict, NotReady, ObjectNotFound
+from gpuobj_agent.errors import AgentError, BadRequest, Conflict, NotReady, ObjectNotFound, Unauthorized
 from gpuobj_agent.layouts import TensorLayout, parse_layouts
 from gpuobj_agent.metrics import AgentMetrics
 from gpuobj_agent.store import check_id, check_stream
 from gpuobj_contract import agent_api as api
-from gpuobj_contract import names, patterns
+from gpuobj_contract import agent_tls, names, patterns
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,23 @@ def _check_meant_for_this_pod(agent: Served, role: str, expect: str | None) -> N
         raise Conflict(f"this agent does not serve pod uid {expect}; refused")
 
 
+def _check_bound_to_channel(request: web.Request, role: str, caller: Caller) -> None:
+    """Over TLS a bearer token counts only with the client certificate of the same identity (mTLS): the
+    operator's names its ServiceAccount, a reader's its pod (docs/security.md, "A token bound to its
+    channel"). A token replayed elsewhere, without that key, is refused; a plain-HTTP agent checks nothing."""
+    transport = request.transport
+    if transport is None or transport.get_extra_info("sslcontext") is None:
+        return
+    cert = transport.get_extra_info("peercert") or {}
+    uris = {value for kind, value in cert.get("subjectAltName", ()) if kind == "URI"}
+    if role == OPERATOR or not caller.pod_name or not caller.pod_uid:
+        want = agent_tls.service_account_uri(caller.namespace, caller.service_account)
+    else:
+        want = agent_tls.pod_uri(caller.namespace, caller.pod_name, caller.pod_uid)
+    if want not in uris:
+        raise Unauthorized(f"the bearer token counts only with the client certificate of {want}; refused")
+
+
 @web.middleware
 async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Check the caller on /v1/, and turn every failure into a JSON answer; only our bugs are a 500.
@@ -150,7 +167,9 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
             _check_meant_for_this_pod(agent, role, request.headers.get(names.HEADER_POD_UID))
             header = request.headers.get("Authorization")
             auth = agent.tokens
-            request[CALLER] = await (auth.reader(header) if role == READER else auth.operator(header))
+            caller = await (auth.reader(header) if role == READER else auth.operator(header))
+            _check_bound_to_channel(request, role, caller)
+            request[CALLER] = caller
         return await handler(request)
     except AgentError as exc:
         if exc.status >= 500 and exc.status != 503:

@@ -38,8 +38,8 @@ def pinned_requirements(extras: tuple[str, ...] = EXTRAS) -> list[str]:
 
 
 def deps_key(reqs: list[str]) -> str:
-    """Same pins and interpreter -> same cached environment."""
-    text = "\n".join(sorted(reqs)) + f"\npython={sys.version_info.major}.{sys.version_info.minor}"
+    """Same pins and interpreter -> same cached environment (a pin two extras share counts once)."""
+    text = "\n".join(sorted(set(reqs))) + f"\npython={sys.version_info.major}.{sys.version_info.minor}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

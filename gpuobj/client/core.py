@@ -250,7 +250,15 @@ class ClientCore:
                     await self.agent.afree(object_id)
                 raise
             address = ObjectAddress(
-                self.namespace, name, "", object_id, self.pod_name, self.agent.endpoint, layouts, entries
+                self.namespace,
+                name,
+                "",
+                object_id,
+                self.pod_name,
+                self.agent.endpoint,
+                layouts,
+                entries,
+                source_pod_uid=self.pod_uid,
             )
             return self.track(ObjectRef(address, "owner", self.releases.put, record=record))
         try:
@@ -276,6 +284,7 @@ class ClientCore:
             self.agent.endpoint,
             layouts,
             entries,
+            source_pod_uid=self.pod_uid,
         )
         return self.track(ObjectRef(address, "owner", self.releases.put))
 
@@ -352,6 +361,10 @@ class ClientCore:
             self.releases.end_read(claim)
         return None
 
+    def _source_uid(self, address: ObjectAddress) -> dict[str, str]:
+        """The source pod's uid for the agent's fetch, when known (a TLS agent will not call an agent without)."""
+        return {"pod_uid": address.source_pod_uid} if address.source_pod_uid else {}
+
     async def fetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
         address = live_address(ref, "fetch")  # a released handle refuses
         granted = isinstance(ref, ObjectRef) and ref.grant is not None and ref.claim_name is not None
@@ -367,10 +380,15 @@ class ClientCore:
                     ref.grant,  # type: ignore[union-attr]
                     device=device,
                     token=self.token(),
+                    **self._source_uid(address),
                 )
             else:
                 tensors = await self.agent.afetch(
-                    address.source_endpoint, address.object_id, device=device, token=self.token()
+                    address.source_endpoint,
+                    address.object_id,
+                    device=device,
+                    token=self.token(),
+                    **self._source_uid(address),
                 )
             if isinstance(ref, ObjectRef) and ref in self._read_once:
                 await self.release(ref)  # a read-once hand-off: its one read is done
@@ -632,6 +650,10 @@ class ClientCore:
     async def _release_at_source(self, via: str, claim: str) -> bool:
         import aiohttp
 
+        if getattr(self.agent, "serves_tls", False):
+            # Over TLS a request must name the source pod's uid, which a release does not carry: the claim is
+            # deleted in the API instead (the path a restarted source takes too), never sent unverified.
+            return False
         if self._http is None:
             self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32))
         token = self.token()

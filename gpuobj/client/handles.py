@@ -33,6 +33,8 @@ class ObjectAddress:
     layouts: tuple[TensorLayout, ...] = field(default_factory=tuple)
     # A state dict's names: (name, index into layouts); tied names share an index. Empty: a list object.
     entries: tuple[tuple[str, int], ...] = ()
+    # The source pod's uid: requests to its agent name it, and over TLS its certificate must (docs/security.md).
+    source_pod_uid: str = ""
 
     @property
     def bytes(self) -> int:

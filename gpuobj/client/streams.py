@@ -250,4 +250,5 @@ def _address_of(obj: dict) -> ObjectAddress:
         spec.source.pod_name,
         endpoint,
         spec.layouts(),
+        source_pod_uid=spec.source.pod_uid or "",
     )

@@ -52,6 +52,9 @@ EVENTS = Resource("", "v1", "events", "Event")
 NAMESPACES = Resource("", "v1", "namespaces", "Namespace", namespaced=False)
 SECRETS = Resource("", "v1", "secrets", "Secret")
 LEASES = Resource("coordination.k8s.io", "v1", "leases", "Lease")
+CSRS = Resource(
+    "certificates.k8s.io", "v1", "certificatesigningrequests", "CertificateSigningRequest", namespaced=False
+)
 CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition", namespaced=False)
 GPUOBJECTS = Resource(names.GROUP, names.VERSION, names.PLURAL_OBJECT, names.KIND_OBJECT)
 CLAIMS = Resource(names.GROUP, names.VERSION, names.PLURAL_CLAIM, names.KIND_CLAIM)

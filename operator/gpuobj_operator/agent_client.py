@@ -6,6 +6,10 @@ the reconciler derived from the pod's own status.podIP, and with the pod uid we 
 agent checks on the same call (an agent serving another pod, or none, answers 409). What we read
 back is bounded (MAX_ANSWER_BYTES): an agent is a workload's process and may lie.
 
+TLS (docs/security.md, "TLS to agents"): with `tls` set, every call is HTTPS to the pod's IP with the
+TLS name `<pod uid>.pod.gpuobj.io`, verified against the agent CA, so the handshake fails (and nothing,
+no token, is sent) unless the agent holds the certificate the signer issued for that very pod.
+
 Why a distinct error for "connection refused": nothing listens at the agent's address, so
 the agent process is gone and its memory with it. That is a safe end for a free; a
 timeout or a 5xx is not, and is retried.
@@ -16,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import ssl
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -23,7 +29,7 @@ from urllib.parse import quote
 import aiohttp
 
 from gpuobj_contract import agent_api as api
-from gpuobj_contract import names
+from gpuobj_contract import agent_tls, names
 from gpuobj_contract.agent_api import (
     AgentInfo,
     FreeAnswer,
@@ -62,6 +68,10 @@ class AgentUnreachable(Exception):
     """Transient: timeout, reset, DNS. Retry."""
 
 
+class AgentNotVerified(AgentUnreachable):
+    """The TLS handshake failed: whatever listens there is not the pod we mean (or not yet). Nothing was sent."""
+
+
 class AgentGone(AgentUnreachable):
     """Connection refused: no agent listens at that address any more."""
 
@@ -77,8 +87,18 @@ def _is_refused(exc: BaseException) -> bool:
 class AgentClient:
     """HTTP client for agents' control servers, authenticated as the operator's ServiceAccount."""
 
-    def __init__(self, token_file: Path | None, *, timeout: float = 10.0, free_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        token_file: Path | None,
+        *,
+        timeout: float = 10.0,
+        free_timeout: float = 60.0,
+        tls: ssl.SSLContext | None = None,
+        renew: Callable[[], None] | None = None,
+    ) -> None:
         self.token_file = token_file
+        self.tls = tls  # trusts the agent CA only; None: plain HTTP (agents with GPUOBJ_AGENT_TLS=off)
+        self._renew = renew  # renews the client certificate in `tls` when due (agent_ca.ClientCertificate)
         self.timeout = timeout
         self.free_timeout = free_timeout
         self._session: aiohttp.ClientSession | None = None
@@ -110,11 +130,17 @@ class AgentClient:
     ) -> dict[str, Any]:
         if not pod_uid:
             raise AgentError(409, f"no pod uid to hold the agent at {endpoint} to; refusing to call it")
-        url = f"http://{endpoint}{path}"
+        if self._renew is not None:
+            self._renew()
+        url = f"{'https' if self.tls else 'http'}://{endpoint}{path}"
+        verify: dict[str, Any] = (
+            {} if self.tls is None else {"ssl": self.tls, "server_hostname": agent_tls.pod_dns_name(pod_uid)}
+        )
         try:
             async with self.session.request(
                 route.method,
                 url,
+                **verify,
                 json=body,
                 headers={"Authorization": f"Bearer {self._token()}", names.HEADER_POD_UID: pod_uid},
                 timeout=aiohttp.ClientTimeout(total=timeout or self.timeout),
@@ -132,6 +158,8 @@ class AgentClient:
                 if resp.status >= 400:
                     raise AgentError(resp.status, str(data.get("error", resp.reason or "")))
                 return data
+        except (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError) as exc:
+            raise AgentNotVerified(f"{endpoint} is not pod uid {pod_uid}'s agent (TLS): {exc}") from exc
         except aiohttp.ClientConnectorError as exc:
             if _is_refused(exc.os_error) or _is_refused(exc):
                 raise AgentGone(f"nothing listens at {endpoint}: {exc}") from exc

@@ -31,6 +31,7 @@ from gpuobj_kube.client import CLAIMS, PODS, KubeClient
 from gpuobj_kube.config import KubeConfig
 from gpuobj_kube.config import load as load_config
 from gpuobj_kube.informer import Informer
+from gpuobj_operator.agent_ca import ClientCertificate, load_or_create, service_account_of
 from gpuobj_operator.agent_client import AgentClient
 from gpuobj_operator.claimcheck import Watermark
 from gpuobj_operator.events import EventRecorder
@@ -41,6 +42,7 @@ from gpuobj_operator.progress_marker import MarkerMisconfigured, ProgressMarker,
 from gpuobj_operator.quota import QuotaLimits, parse_bytes, parse_namespace_quota
 from gpuobj_operator.reconciler import LABEL_AGENT_SELECTOR, Reconciler
 from gpuobj_operator.settings import Settings
+from gpuobj_operator.signer import Signer
 
 log = logging.getLogger("gpuobj.operator")
 T = TypeVar("T")
@@ -133,6 +135,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="BYTES",
         help="the quota of every namespace --namespace-quota does not name (default: none)",
+    )
+    p.add_argument(
+        "--agent-tls",
+        choices=("on", "off"),
+        default=env("GPUOBJ_AGENT_TLS_CALLS", "off"),
+        help="call agents over HTTPS only, verifying each names the pod uid meant (agents run with "
+        "GPUOBJ_AGENT_TLS=csr); off: plain HTTP (docs/security.md)",
+    )
+    p.add_argument(
+        "--agent-signer",
+        action=argparse.BooleanOptionalAction,
+        default=env("GPUOBJ_AGENT_SIGNER", "true") == "true",
+        help="run the gpuobj.io/agent-serving CSR signer (operator/gpuobj_operator/signer.py)",
+    )
+    p.add_argument(
+        "--agent-ca-secret",
+        default=env("GPUOBJ_AGENT_CA_SECRET", "gpuobj-agent-ca"),
+        help="the Secret (in --lease-namespace) holding the agent CA; created once when missing",
     )
     p.add_argument("--log-level", default=env("GPUOBJ_LOG_LEVEL", "INFO"))
     return p
@@ -296,7 +316,21 @@ async def run(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     _install_signal_handlers(stop)
     stopping = asyncio.create_task(stop.wait())
-    agents = AgentClient(Path(args.token_file) if args.token_file else None)
+    ca = None
+    if args.agent_signer or args.agent_tls == "on":
+        ca = await load_or_create(kube, args.lease_namespace, args.agent_ca_secret)
+    signer = Signer(kube, ca, namespace=args.namespace) if ca is not None and args.agent_signer else None
+    if signer is not None:
+        signer.start()  # every replica signs (an answer is one write; a lost race is a 409)
+    client_cert = None
+    if ca is not None and args.agent_tls == "on":  # mTLS: agents bind our token to this certificate
+        token = (await asyncio.to_thread(Path(args.token_file).read_text)).strip() if args.token_file else ""
+        client_cert = ClientCertificate(ca, *service_account_of(token))
+    agents = AgentClient(
+        Path(args.token_file) if args.token_file else None,
+        tls=client_cert.context if client_cert else None,
+        renew=client_cert.maybe_renew if client_cert else None,
+    )
     events = EventRecorder(kube, "gpuobj-operator", args.identity)
     events.start()
     rc = 0
@@ -346,6 +380,8 @@ async def run(args: argparse.Namespace) -> int:
         if rc == 0:
             await elector.release()
         await events.stop()
+        if signer is not None:
+            await signer.stop()
         await agents.close()
         await kube.close()
         await health.stop()

@@ -56,6 +56,13 @@ app.kubernetes.io/component: operator
 {{- end -}}
 
 {{/*
+The Secret holding the agent CA (operator/gpuobj_operator/agent_ca.py), in the release namespace.
+*/}}
+{{- define "gpuobj.agentCASecret" -}}
+{{- default (printf "%s-agent-ca" (include "gpuobj.fullname" .)) .Values.agentTLS.caSecretName -}}
+{{- end -}}
+
+{{/*
 The claim the operator writes to move its claims watch past a deletion (operator/gpuobj_operator/
 progress_marker.py): its name is gpuobj_contract.names.CLAIMS_PROGRESS_MARKER (tests/e2e/deploy checks it),
 in the operator's own namespace; only an operator that watches every namespace has one.

@@ -219,7 +219,11 @@ def test_operator_deployment_runs_one_hardened_replica_with_the_operators_flags(
 
 def test_watch_namespace_turns_the_operator_clusterrole_into_a_role() -> None:
     docs = render(values={"operator": {"watchNamespace": "ml"}})
-    assert not find(docs, "ClusterRole", "t-gpuobj-operator") and not find(docs, "ClusterRoleBinding")
+    # The one cluster-wide grant left: the CSR signer's (CSRs are cluster-scoped), bound per release namespace.
+    assert not find(docs, "ClusterRole", "t-gpuobj-operator")
+    assert [b["metadata"]["name"] for b in find(docs, "ClusterRoleBinding")] == [
+        "t-gpuobj-operator-agent-signer-gpuobj-test"
+    ]
     role = one(docs, "Role", "t-gpuobj-operator")
     assert role["metadata"]["namespace"] == "ml"
     assert one(docs, "RoleBinding", "t-gpuobj-operator")["subjects"][0]["namespace"] == "gpuobj-test"
@@ -239,13 +243,23 @@ def test_the_progress_marker_role_comes_only_with_a_watch_of_every_namespace() -
 
 
 def test_operator_rbac_grants_nothing_on_secrets_crds_or_namespaces() -> None:
+    """Secrets: only its own CA's, in its own namespace (create, then get by name: agent_ca.py)."""
     docs = render()
     for kind in ("ClusterRole", "Role"):
         for role in find(docs, kind):
             if role["metadata"]["name"].startswith("t-gpuobj-operator"):
                 for rule in role["rules"]:
                     assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
-                    assert not {"secrets", "customresourcedefinitions", "namespaces"} & set(rule["resources"]), rule
+                    assert not {"customresourcedefinitions", "namespaces"} & set(rule["resources"]), rule
+                    if "secrets" in rule["resources"]:
+                        assert kind == "Role" and role["metadata"]["name"] == "t-gpuobj-operator-agent-ca", role
+                        assert role["metadata"]["namespace"] == "gpuobj-test"
+                        assert rule["verbs"] == ["create"] or (
+                            rule["verbs"] == ["get"] and rule["resourceNames"] == ["t-gpuobj-agent-ca"]
+                        ), rule
+    signer = one(docs, "ClusterRole", "t-gpuobj-operator-agent-signer")
+    (signers,) = [r for r in signer["rules"] if r["resources"] == ["signers"]]
+    assert signers["resourceNames"] == ["gpuobj.io/agent-serving"] and signers["verbs"] == ["approve", "sign"]
 
 
 def test_the_chart_renders_no_shared_token_in_any_namespace() -> None:
@@ -262,6 +276,15 @@ def test_the_chart_renders_no_shared_token_in_any_namespace() -> None:
         "spec"
     ]
     assert "--allow-agent-host-annotation" in args["containers"][0]["args"]
+
+
+def test_agent_tls_is_on_by_default_and_one_value_turns_it_off() -> None:
+    args = one(render(), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--agent-tls=on" in args and "--agent-ca-secret=t-gpuobj-agent-ca" in args
+    parsed = build_parser().parse_args([a for a in args if "$(" not in a])
+    assert parsed.agent_tls == "on" and parsed.agent_ca_secret == "t-gpuobj-agent-ca" and parsed.agent_signer
+    off = one(render(values={"agentTLS": {"enabled": False}}), "Deployment")["spec"]["template"]["spec"]
+    assert "--agent-tls=off" in off["containers"][0]["args"]
 
 
 # ------------------------------------------------------------------ docs and versions

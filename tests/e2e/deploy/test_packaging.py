@@ -18,7 +18,7 @@ import pytest
 from gpuobj_dev.testing.cluster import REPO
 
 SHIPPED = {"gpuobj", "gpuobj_contract", "gpuobj_kube", "gpuobj_agent", "gpuobj_operator"}
-DATA_PLANE = {"torch", "nixl", "numpy", "cryptography"}
+DATA_PLANE = {"torch", "nixl", "numpy"}  # cryptography: the operator signs agent certificates (agent_ca.py)
 
 
 @pytest.fixture(scope="module")

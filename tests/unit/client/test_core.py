@@ -34,11 +34,11 @@ class Agent:
     async def afree(self, object_id: str) -> None:
         self.objects.pop(object_id, None)
 
-    async def afetch(self, endpoint: str, object_id: str, *, device: str, token: str | None) -> list:
+    async def afetch(self, endpoint: str, object_id: str, *, device: str, token: str | None, **_: object) -> list:
         self.fetched.append(object_id)
         return self.objects[object_id]
 
-    async def afetch_granted(self, endpoint: str, object_id: str, grant: dict, *, device: str, token: str | None):
+    async def afetch_granted(self, endpoint: str, object_id: str, grant: dict, *, device: str, token: str | None, **_):
         return await self.afetch(endpoint, object_id, device=device, token=token)
 
     async def agrant(self, object_id: str) -> dict:
