@@ -21,12 +21,12 @@ from gpuobj_contract import metric_names as m
 from gpuobj_contract import names
 from gpuobj_dev.testing import agent_http
 from gpuobj_dev.testing.cluster import ClusterHandle
+from gpuobj_dev.testing.clusterwide import operator_home
 from gpuobj_dev.testing.identities import operator_subject
 from gpuobj_dev.testing.operator import OperatorProcess
 from gpuobj_dev.testing.waits import wait_until
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, NotFound, wait_for
-from tests.e2e.operator.clusterwide import operator_home
-from tests.e2e.operator.conftest import Pods, kube, start_operator
+from tests.e2e.operator.conftest import FAST_ARGS, Pods, kube, start_operator
 
 pytestmark = pytest.mark.nixl
 
@@ -68,7 +68,7 @@ def clusterwide(
 ) -> Iterator[Operator]:
     """The operator in a namespace of its own, watching every namespace, with the chart's cluster-wide RBAC."""
     with operator_home(cluster, folder) as home:
-        op: OperatorProcess | None = home.operator("op-all", extra)
+        op: OperatorProcess | None = home.operator("op-all", (*FAST_ARGS, *extra))
         try:
             assert op is not None
             op.wait_ready()

@@ -16,14 +16,14 @@ import pytest
 
 from gpuobj_dev.testing import agent_http
 from gpuobj_dev.testing.cluster import ClusterHandle
+from gpuobj_dev.testing.clusterwide import Home, operator_home
 from gpuobj_dev.testing.identities import LEASE_NAME, install_identities
 from gpuobj_dev.testing.operator import OperatorProcess
 from gpuobj_dev.testing.waits import wait_until
 from gpuobj_kube.client import GPUOBJECTS, LEASES, wait_for
 from gpuobj_operator.shards import shard_of
 from tests.conftest import failed
-from tests.e2e.operator.clusterwide import Home, operator_home
-from tests.e2e.operator.conftest import Pods, kube
+from tests.e2e.operator.conftest import FAST_ARGS, Pods, kube
 
 pytestmark = pytest.mark.nixl
 
@@ -45,7 +45,7 @@ def namespaces_in_every_shard(cluster: ClusterHandle) -> list[str]:
 
 
 def start_shard(home: Home, index: int, identity: str) -> OperatorProcess:
-    return home.operator(identity, ("--shard-count", str(SHARDS), "--shard-index", str(index), *LEASE))
+    return home.operator(identity, (*FAST_ARGS, "--shard-count", str(SHARDS), "--shard-index", str(index), *LEASE))
 
 
 def release_objects(cluster: ClusterHandle, namespace: str, pods: Pods, names: list[str]) -> None:

@@ -13,7 +13,6 @@ from pathlib import Path
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.identities import CHART, LEASE_NAME, OPERATOR_SA, RELEASE, credentials, operator_subject
 from gpuobj_dev.testing.operator import OperatorProcess
-from tests.e2e.operator.conftest import FAST_ARGS
 
 
 @dataclass
@@ -30,7 +29,7 @@ class Home:
             self.agent_token,
             identity=identity,
             lease_namespace=self.namespace,
-            extra_args=[*FAST_ARGS, *extra],
+            extra_args=list(extra),
         ).start()
 
 
