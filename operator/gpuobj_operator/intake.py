@@ -4,6 +4,10 @@ decision may have changed go to the work queue. Nothing here decides or writes.
 Why apart from the executors: this runs on the event loop for every event of four watches (kopf's
 objects and streams, the pod and claims informers), so it must stay cheap (the ledger's indexes) and
 never wait; the workers (reconciler.py) take it from there.
+
+With several operators (shards.py) this is the one gate: what lives in another shard's namespaces
+never enters the ledger, so nothing downstream (frees, status writes, the audit, the liveness probes)
+ever sees it.
 """
 
 from __future__ import annotations
@@ -47,6 +51,11 @@ class Intake:
         self.enqueue = enqueue
         self.enqueue_all = enqueue_all
         self.listed: dict[str, tuple[str, list[dict[str, Any]]]] = {}  # kind -> (resourceVersion, stubs) of the sync
+        self.owns = settings.shard.owns
+
+    def mine(self, raw: Mapping[str, Any]) -> bool:
+        """Whether an object of the API belongs to this operator's shard (shards.py)."""
+        return self.owns(raw["metadata"].get("namespace"))
 
     async def sync(self) -> None:
         """List every kind once before any decision: a free decided on a partial view could be wrong."""
@@ -56,16 +65,17 @@ class Intake:
         claims = await self.kube.list(CLAIMS, ns)
         pods = await self.kube.list(PODS, ns, label_selector=LABEL_AGENT_SELECTOR)
         objects = await self.kube.list(GPUOBJECTS, ns)
-        for s in streams["items"]:
+        mine = self.mine
+        for s in filter(mine, streams["items"]):
             self.ledger.upsert_stream(parse_stream(s))
-        for c in claims["items"]:
+        for c in filter(mine, claims["items"]):
             if not is_marker(c):
                 self.ledger.upsert_claim(parse_claim(c), now)
-        for p in pods["items"]:
+        for p in filter(mine, pods["items"]):
             pod = self.parse_pod(p)
             self.ledger.liveness.observe_container(pod.key, pod.uid, pod.agent_container)
             self.ledger.upsert_pod(pod)
-        for o in objects["items"]:
+        for o in filter(mine, objects["items"]):
             self.ledger.upsert_object(parse_object(o), now)
         self.ledger.synced = True
         # Where the pod and claims watches take over: from these lists, so nothing after them is missed.
@@ -85,6 +95,8 @@ class Intake:
     # ------------------------------------------------------------ event intake (from kopf handlers)
 
     def on_object(self, event_type: str | None, raw: Mapping[str, Any]) -> None:
+        if not self.mine(raw):
+            return
         info = parse_object(raw)
         now = time.monotonic()
         if event_type == "DELETED":
@@ -95,7 +107,7 @@ class Intake:
             self.enqueue(self.ledger.upsert_object(info, now), urgent=info.deleting)
 
     def on_claim(self, event_type: str | None, raw: Mapping[str, Any]) -> None:
-        if is_marker(raw):
+        if is_marker(raw) or not self.mine(raw):
             return  # its event moves the claims watermark (the informer does that); nothing to decide
         info = parse_claim(raw)
         now = time.monotonic()
@@ -110,6 +122,8 @@ class Intake:
             self.prober.probe_soon((info.namespace, info.holder_pod))  # type: ignore[arg-type]
 
     def on_stream(self, event_type: str | None, raw: Mapping[str, Any]) -> None:
+        if not self.mine(raw):
+            return
         info = parse_stream(raw)
         self.enqueue(self.ledger.remove_stream(info) if event_type == "DELETED" else self.ledger.upsert_stream(info))
 
@@ -117,6 +131,8 @@ class Intake:
         return parse_pod(raw, allow_host_annotation=self.settings.allow_agent_host_annotation)
 
     def on_pod(self, event_type: str | None, raw: Mapping[str, Any]) -> None:
+        if not self.mine(raw):
+            return
         info = self.parse_pod(raw)
         if event_type == "DELETED":
             self.ledger.liveness.forget(info.key)

@@ -42,6 +42,7 @@ from gpuobj_operator.progress_marker import MarkerMisconfigured, ProgressMarker,
 from gpuobj_operator.quota import QuotaLimits, parse_bytes, parse_namespace_quota
 from gpuobj_operator.reconciler import LABEL_AGENT_SELECTOR, Reconciler
 from gpuobj_operator.settings import Settings
+from gpuobj_operator.shards import Shard
 from gpuobj_operator.signer import Signer
 
 log = logging.getLogger("gpuobj.operator")
@@ -79,7 +80,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="serves /metrics, /healthz, /readyz; 0 picks a free port",
     )
     p.add_argument("--lease-namespace", default=env("POD_NAMESPACE", "default"))
-    p.add_argument("--lease-name", default="gpuobj-operator")
+    p.add_argument(
+        "--lease-name",
+        default="gpuobj-operator",
+        help="the Lease the replicas elect a leader on; with --shard-count above 1, shard i's is <name>-shard-<i>",
+    )
+    p.add_argument(
+        "--shard-count",
+        type=int,
+        default=int(env("GPUOBJ_SHARD_COUNT", "1")),
+        help="operators that share the cluster by namespace hash (docs/scale.md, Several operators); 1: one for all",
+    )
+    p.add_argument(
+        "--shard-index",
+        type=int,
+        default=int(env("GPUOBJ_SHARD_INDEX", "0")),
+        help="which of them this one is (0 .. --shard-count - 1): it acts only on the namespaces of its shard",
+    )
     p.add_argument("--lease-seconds", type=int, default=15)
     p.add_argument("--identity", default=env("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}")
     p.add_argument("--workers", type=int, default=8)
@@ -261,6 +278,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(
         workers=args.workers,
         namespace=args.namespace,
+        shard=Shard(args.shard_count, args.shard_index),
         allow_agent_host_annotation=args.allow_agent_host_annotation,
         leak_settle_seconds=args.leak_settle,
         leak_grace_seconds=args.leak_grace,
@@ -305,7 +323,7 @@ async def run(args: argparse.Namespace) -> int:
     elector = LeaderElector(
         kube,
         LeaseConfig(
-            name=args.lease_name,
+            name=Shard(args.shard_count, args.shard_index).lease_name(args.lease_name),
             namespace=args.lease_namespace,
             identity=args.identity,
             lease_seconds=args.lease_seconds,
@@ -348,7 +366,7 @@ async def run(args: argparse.Namespace) -> int:
                     await acquire
                 break
             metrics.leader.set(1)
-            print(f"gpuobj operator: leading as {args.identity}", flush=True)
+            print(f"gpuobj operator: leading as {args.identity} (lease {elector.config.name})", flush=True)
             try:
                 outcome = await lead(
                     args, config, kube, agents, events, metrics, health, elector, stop, stopping, reconciler_box
@@ -549,8 +567,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         progress_marker_namespace(args)
-    except MarkerMisconfigured as exc:
+        shard = Shard(args.shard_count, args.shard_index)
+    except (MarkerMisconfigured, ValueError) as exc:
         parser.error(str(exc))
+    if shard.count > 1 and args.namespace:
+        parser.error("--shard-count shares every namespace between operators; --namespace watches one: choose one")
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kopf").setLevel(logging.WARNING)

@@ -6,12 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpuobj_operator.quota import QuotaLimits
+from gpuobj_operator.shards import Shard
 
 
 @dataclass(frozen=True)
 class Settings:
     workers: int = 8
     namespace: str | None = None  # watch one namespace; None: all
+    shard: Shard = field(default_factory=Shard)  # act only on the namespaces of this shard (shards.py)
     allow_agent_host_annotation: bool = False  # dev clusters without a pod network only
     leak_settle_seconds: float = 5.0  # before an unreferenced object counts as leaked
     leak_grace_seconds: float = 30.0  # before leaked bytes are reclaimed

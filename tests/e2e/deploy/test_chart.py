@@ -242,6 +242,33 @@ def test_the_progress_marker_role_comes_only_with_a_watch_of_every_namespace() -
     assert not find(namespaced, "RoleBinding", "t-gpuobj-operator-progress-marker")
 
 
+def test_shards_render_a_deployment_per_shard_each_with_its_index_and_its_own_granted_lease() -> None:
+    """operator.shards (docs/scale.md, Several operators): the operator derives shard i's Lease from
+    --lease-name; the chart grants exactly those names, and one shard renders the unsharded Deployment."""
+    docs = render(values={"operator": {"shards": 2, "replicas": 2}})
+    deployments = sorted(find(docs, "Deployment"), key=lambda d: d["metadata"]["name"])
+    assert [d["metadata"]["name"] for d in deployments] == ["t-gpuobj-operator-shard-0", "t-gpuobj-operator-shard-1"]
+    (role,) = [d for d in find(docs, "Role") if d["metadata"]["name"] == "t-gpuobj-operator-leader-election"]
+    (granted,) = [r["resourceNames"] for r in role["rules"] if "resourceNames" in r]
+    leases = []
+    for i, d in enumerate(deployments):
+        assert d["spec"]["replicas"] == 2 and d["spec"]["strategy"] == {"type": "Recreate"}
+        assert d["spec"]["selector"]["matchLabels"]["gpuobj.io/shard"] == str(i)
+        assert d["spec"]["template"]["metadata"]["labels"]["gpuobj.io/shard"] == str(i)
+        (container,) = d["spec"]["template"]["spec"]["containers"]
+        args = [a.replace("$(POD_NAMESPACE)", "gpuobj-test").replace("$(POD_NAME)", "op") for a in container["args"]]
+        parsed = build_parser().parse_args(args)
+        assert (parsed.shard_count, parsed.shard_index) == (2, i)
+        leases.append(f"{parsed.lease_name}-shard-{i}")
+    assert granted == leases
+    (single,) = find(render(), "Deployment")
+    assert single["metadata"]["name"] == "t-gpuobj-operator"
+    assert "gpuobj.io/shard" not in single["spec"]["selector"]["matchLabels"]
+    assert not [a for a in single["spec"]["template"]["spec"]["containers"][0]["args"] if "shard" in a]
+    with pytest.raises(AssertionError, match="watchNamespace"):
+        render(values={"operator": {"shards": 2, "watchNamespace": "ml"}})
+
+
 def test_operator_rbac_grants_nothing_on_secrets_crds_or_namespaces() -> None:
     """Secrets: only its own CA's, in its own namespace (create, then get by name: agent_ca.py)."""
     docs = render()

@@ -11,7 +11,6 @@ the workloads made, and the bytes are freed.
 from __future__ import annotations
 
 import contextlib
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,15 +21,8 @@ from gpuobj_contract import metric_names as m
 from gpuobj_contract import names
 from gpuobj_dev.testing import agent_http
 from gpuobj_dev.testing.cluster import ClusterHandle
-from gpuobj_dev.testing.identities import (
-    CHART,
-    LEASE_NAME,
-    OPERATOR_SA,
-    RELEASE,
-    Credentials,
-    credentials,
-    operator_subject,
-)
+from gpuobj_dev.testing.clusterwide import operator_home
+from gpuobj_dev.testing.identities import operator_subject
 from gpuobj_dev.testing.operator import OperatorProcess
 from gpuobj_dev.testing.waits import wait_until
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, NotFound, wait_for
@@ -75,32 +67,18 @@ def clusterwide(
     cluster: ClusterHandle, namespace: str, folder: Path, extra: tuple[str, ...] = ()
 ) -> Iterator[Operator]:
     """The operator in a namespace of its own, watching every namespace, with the chart's cluster-wide RBAC."""
-    own = f"op-{uuid.uuid4().hex[:8]}"
-    cluster.create_namespace(own)
-    rbac = cluster.helm(
-        "template", RELEASE, str(CHART), "--namespace", own,
-        "--set", f"operator.leaseName={LEASE_NAME}", "--set", "rbac.aggregateToDefaultRoles=false",
-        "--show-only", "templates/serviceaccount.yaml", "--show-only", "templates/rbac-operator.yaml",
-    ).stdout  # fmt: skip
-    cluster.kubectl("apply", "-f", "-", input=rbac)
-    creds: Credentials | None = None
-    op: OperatorProcess | None = None
-    try:
-        creds = credentials(cluster, own, OPERATOR_SA, folder)
-        op = OperatorProcess(
-            creds.kubeconfig, creds.agent_token, identity="op-all", lease_namespace=own, extra_args=[*FAST_ARGS, *extra]
-        ).start()
-        op.wait_ready()
-        yield Operator(op, own, creds.agent_token, operator_subject(own))
-        rc, op = op.stop(), None
-        assert rc == 0
-    finally:
-        if op is not None:
-            op.stop()
-        if creds is not None:
-            creds.stop()
-        cluster.kubectl("delete", "-f", "-", "--ignore-not-found", "--wait=false", input=rbac, check=False)
-        cluster.kubectl("delete", "namespace", own, "--wait=false", check=False)
+    with operator_home(cluster, folder) as home:
+        op: OperatorProcess | None = home.operator("op-all", (*FAST_ARGS, *extra))
+        try:
+            assert op is not None
+            op.wait_ready()
+            yield Operator(op, home.namespace, home.agent_token, home.subject)
+            rc = op.stop()
+            assert rc == 0, f"operator exited {rc}:\n{op.output()}"
+            op = None
+        finally:
+            if op is not None:
+                op.stop()
 
 
 @pytest.fixture

@@ -1,0 +1,114 @@
+"""Several operators: what each shard's operator costs in memory when one shard holds all the objects.
+
+    nice -n 10 .venv/bin/python bench/shards_rss.py --objects 2000
+
+One workload pod in a namespace of shard 1 puts N small objects (its agent really holds them) and
+keeps them. Two operators with --shard-count 2 watch every namespace as the chart's ServiceAccount.
+Printed: each one's resident memory once shard 1's has written every status, and the objects each
+holds in its ledger. Shard 0's operator drops every event at its gate (operator/gpuobj_operator/
+shards.py), so what it still pays is the watching itself (docs/scale.md, Several operators).
+A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.restart_scale import PUT_MANY, rss_mib  # noqa: E402
+from gpuobj_dev.cluster import DevCluster  # noqa: E402
+from gpuobj_dev.testing.cluster import ClusterHandle  # noqa: E402
+from gpuobj_dev.testing.clusterwide import operator_home  # noqa: E402
+from gpuobj_dev.testing.identities import WORKLOAD_SA, Identities  # noqa: E402
+from gpuobj_dev.testing.operator import OperatorProcess  # noqa: E402
+from gpuobj_dev.testing.pods import create_agent_pod  # noqa: E402
+from gpuobj_dev.testing.workload import WorkloadProcess, free_port  # noqa: E402
+from gpuobj_kube.client import GPUOBJECTS  # noqa: E402
+from gpuobj_operator.shards import shard_of  # noqa: E402
+
+NAMESPACE = next(f"gpuobj-scale-{i}" for i in range(100) if shard_of(f"gpuobj-scale-{i}", 2) == 1)
+
+
+def count_ready(handle: ClusterHandle) -> int:
+    async def go() -> int:
+        async with handle.client() as kube:
+            items = (await kube.list(GPUOBJECTS, NAMESPACE))["items"]
+            return sum(1 for o in items if (o.get("status") or {}).get("state") == "Ready")
+
+    return asyncio.run(go())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--objects", type=int, default=2000)
+    n = parser.parse_args(argv).objects
+    state = Path(tempfile.mkdtemp(prefix="gpuobj-shards-"))
+    cluster = DevCluster(state, tie_to_parent=True, log=lambda m: print(f"# {m}", flush=True))
+    handle = ClusterHandle(cluster, cluster.up())
+    procs: list = []
+    try:
+        handle.apply_crds()
+        handle.kubectl("create", "namespace", NAMESPACE)
+        identities = Identities(handle, NAMESPACE, state / "identities")
+        with operator_home(handle, state / "operator", ("operator.shards=2",)) as home:
+            port = free_port()
+
+            async def pod() -> str:
+                async with handle.client() as kube:
+                    created = await create_agent_pod(kube, NAMESPACE, "src", port=port, service_account=WORKLOAD_SA)
+                    return created["metadata"]["uid"]
+
+            uid = asyncio.run(pod())
+            creds = identities.workload("src", uid)
+            src = WorkloadProcess(
+                pod_name="src",
+                namespace=NAMESPACE,
+                pod_uid=uid,
+                port=port,
+                token_file=creds.agent_token,
+                kubeconfig=creds.kubeconfig,
+                env={**identities.workload_env, "GPUOBJ_OPERATOR_SERVICEACCOUNT": home.subject},
+            ).start()
+            procs.append(src)
+            ops: list[OperatorProcess] = []
+            for i in range(2):
+                op = home.operator(
+                    f"op-shard-{i}", ("--shard-count", "2", "--shard-index", str(i), "--status-delay", "0")
+                )
+                procs.append(op)
+                ops.append(op)
+            for op in ops:
+                op.wait_ready(timeout=600)
+            idle = [rss_mib(op.proc.pid) for op in ops]  # type: ignore[union-attr]
+            src.run(PUT_MANY)
+            t0 = time.perf_counter()
+            src.run(f"client.runner.call(put_many({n}), 'put many')", timeout=3600)
+            print(f"# put {n} objects in {NAMESPACE} (shard 1) in {time.perf_counter() - t0:.1f}s", flush=True)
+            deadline = time.monotonic() + 1800
+            while count_ready(handle) < n and time.monotonic() < deadline:
+                time.sleep(2)
+            # Shard 1's ledger has seen its own last status write come back through its watch.
+            ops[1].wait_metric("gpuobj_objects", {"state": "Ready"}, n, timeout=600)
+            held = [op.metric("gpuobj_objects") for op in ops]
+            memory = [rss_mib(op.proc.pid) for op in ops]  # type: ignore[union-attr]
+            print()
+            print(f"{'':>28} | shard 0 (drops them) | shard 1 (holds them)")
+            print(f"{'objects in its ledger':>28} | {held[0]:>20.0f} | {held[1]:.0f}")
+            print(f"{'RSS before the objects':>28} | {idle[0]:>16.0f} MiB | {idle[1]:.0f} MiB")
+            print(f"{'RSS with ' + str(n) + ' objects':>28} | {memory[0]:>16.0f} MiB | {memory[1]:.0f} MiB")
+            return 0
+    finally:
+        for p in procs:
+            p.kill()
+        cluster.down(quiet=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
