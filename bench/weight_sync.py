@@ -69,13 +69,20 @@ def publish(version, readers):
     sd = model.state_dict()
     crc = models.checksum(sd)
     regs = [ledger.registrations, ledger.deregistrations]
+    before = client.pack_stats()
     t0 = time.monotonic()
     ref = client.put(sd)
+    put_s = time.monotonic() - t0
     shares = [dump_pickle(client.share(ref, name, incarnation=inc)) for name, inc in readers]
     old, mine = mine, ref
     if old is not None:
-        old.release()
-    return [t0, crc, shares, regs]
+        client.release(old)
+    after = client.pack_stats()
+    # the per-step breakdown: did this put reuse a buffer, wait for a version's free, or make a new one
+    step = {"put_s": put_s, "new_buffer": after["buffers"] > before["buffers"],
+            "waited_s": after["waitSeconds"] - before["waitSeconds"],
+            "wait_ran_out": after["waitTimeouts"] > before["waitTimeouts"], "idle_before": before["idle"]}
+    return [t0, crc, shares, regs, step]
 
 def finish():
     global mine
@@ -116,7 +123,7 @@ def take(shared, crc):
     done = time.monotonic()
     old, held = held, (h, sd)
     if old is not None:
-        old[0].release()
+        client.release(old[0])  # returns once the source took the release (it may free the version now)
     del old
     return [ok, fetched - t, done]
 
@@ -268,10 +275,11 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
 def version_loop(args, trainer, readers, names, incarnations, nbytes) -> dict:
     """--versions versions to `names`; per version: publish -> every reader verified, fetch time, counts."""
     targets = [[n, incarnations[n]] for n in names]
-    totals, fetch_s, regs, verified = [], [], [], True
+    totals, fetch_s, regs, steps, verified = [], [], [], [], True
     for version in range(1, args.versions + 1):
-        t0, crc, shares, counts = trainer.eval(f"publish({version}, {targets!r})", timeout=600)
+        t0, crc, shares, counts, step = trainer.eval(f"publish({version}, {targets!r})", timeout=600)
         regs.append(counts)
+        steps.append(step)
         results: dict[str, list] = {}
 
         def take(name: str, shared: str, crc: int = crc, results: dict = results) -> None:
@@ -287,6 +295,8 @@ def version_loop(args, trainer, readers, names, incarnations, nbytes) -> dict:
         verified = verified and all(r[0] for r in results.values())
         totals.append(max(r[2] for r in results.values()) - t0)
         fetch_s.extend(r[1] for r in results.values())
+        step["fetch_s"] = [r[1] for r in results.values()]
+        step["verified_s"] = max(r[2] for r in results.values()) - t0
     for n in names:
         readers[n].run("drop()")
     end_regs, end_deregs, pool = trainer.eval("finish()")
@@ -300,6 +310,8 @@ def version_loop(args, trainer, readers, names, incarnations, nbytes) -> dict:
         "registrations_per_version_after_second": (regs[-1][0] - regs[2][0]) / later,
         "deregistrations_per_version_after_second": (regs[-1][1] - regs[2][1]) / later,
         "registrations_total": regs[-1][0] - regs[0][0],
+        "steps": steps,  # per version: put time, new buffer or reused, wait for a free, fetch times
+        "pack_waits": pool["waits"],
         "trainer_peak_bytes": pool["bytes"],
         "trainer_peak_versions": pool["bytes"] / nbytes,
         "bytes_verified": verified,
