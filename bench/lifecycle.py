@@ -32,7 +32,6 @@ Bytes are verified by sampling (first, last and every 4096th element) on both si
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -46,7 +45,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-NAMESPACE = "gpuobj-bench"
+from bench._cluster import BenchCluster, load, ray_init, settle  # noqa: E402  (the shared start-up)
+
 SMALL = 1 << 20
 
 
@@ -62,21 +62,6 @@ def pct(values: list[float], q: float) -> float:
         return float("nan")
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))]
-
-
-def load() -> str:
-    return "/".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def settle(quiet: float, timeout: float) -> None:
-    """Wait (at most ``timeout`` s) for the 1-minute load to fall below ``quiet``, so that a side does not
-    start on the load the one before it left (the average decays over a minute). 0 skips it."""
-    if quiet <= 0:
-        return
-    deadline = time.monotonic() + timeout
-    while os.getloadavg()[0] >= quiet and time.monotonic() < deadline:
-        print(f"# waiting for the load to settle below {quiet}: {load()}", flush=True)
-        time.sleep(10)
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
@@ -155,15 +140,11 @@ class FreeLog:
 
 
 def ray_side(args: argparse.Namespace) -> dict:
-    import logging
 
     import ray
     import torch
 
-    # Ray runs its workers at nice 15 by default; on a shared machine that would measure the other
-    # tenants' load more than Ray. gpuobj's processes run at the default priority: so do Ray's here.
-    os.environ.setdefault("RAY_worker_niceness", "0")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    ray_init()
     logs: list[FreeLog] = []
     try:
 
@@ -451,17 +432,6 @@ threading.Thread(target=_serve, daemon=True).start()
 def gpuobj_side(args: argparse.Namespace) -> dict:
     from gpuobj_dev.cluster import DevCluster
     from gpuobj_dev.testing.api_requests import delta, request_counts, writes
-    from gpuobj_dev.testing.cluster import ClusterHandle
-    from gpuobj_dev.testing.identities import (
-        OPERATOR_SA,
-        WORKLOAD_SA,
-        credentials,
-        install_identities,
-        operator_subject,
-    )
-    from gpuobj_dev.testing.operator import OperatorProcess
-    from gpuobj_dev.testing.pods import create_agent_pod
-    from gpuobj_dev.testing.workload import WorkloadProcess, free_port
 
     if args.apiserver_arg:  # an experiment on the API server's side (e.g. the claims watch cache off)
         spawn = DevCluster._spawn
@@ -472,59 +442,15 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
             )
 
         DevCluster._spawn = _spawn  # type: ignore[method-assign]
-    state = Path(tempfile.mkdtemp(prefix="gpuobj-bench-"))
-    cluster = DevCluster(state, tie_to_parent=True, log=lambda m: print(f"# {m}", file=sys.stderr, flush=True))
-    handle = ClusterHandle(cluster, cluster.up())
-    workloads: list[WorkloadProcess] = []
-    identities: list = []
-    operator = None
     out: dict = {"load_start": load(), "rows": {}, "pairs": {}, "writes": {}, "npairs": args.pairs}
-    try:
-        handle.apply_crds()
-        handle.kubectl("create", "namespace", NAMESPACE)
-        # Everyone as their own ServiceAccount with the chart's RBAC, as the tests run them: the
-        # operator as gpuobj-operator, each workload pod as gpuobj-workload with pod-bound tokens.
-        install_identities(handle, NAMESPACE)
-        op_creds = credentials(handle, NAMESPACE, OPERATOR_SA, state / "operator")
-        identities.append(op_creds)
-        operator = (
-            OperatorProcess(
-                op_creds.agent_token.with_name("kubeconfig"),
-                op_creds.agent_token,
-                lease_namespace=NAMESPACE,
-                extra_args=["--namespace", NAMESPACE, *args.operator_arg],
-            )
-            .start()
-            .wait_ready()
-        )
-
-        async def pod(name: str, port: int) -> str:
-            async with handle.client() as kube:
-                created = await create_agent_pod(kube, NAMESPACE, name, port=port, service_account=WORKLOAD_SA)
-                return created["metadata"]["uid"]
-
-        def start(name: str) -> tuple[WorkloadProcess, str]:
-            port = free_port()
-            uid = asyncio.run(pod(name, port))
-            creds = credentials(handle, NAMESPACE, WORKLOAD_SA, state / name, pod=(name, uid))
-            identities.append(creds)
-            w = WorkloadProcess(
-                pod_name=name,
-                namespace=NAMESPACE,
-                pod_uid=uid,
-                port=port,
-                token_file=creds.agent_token,
-                kubeconfig=creds.kubeconfig,
-                env={
-                    "GPUOBJ_WRITE_WINDOW": str(args.window),
-                    "GPUOBJ_OPERATOR_SERVICEACCOUNT": operator_subject(NAMESPACE),
-                    # One user's processes on one node, as Ray's actors here, which use UCX's cma: the
-                    # same transport on both sides (off by default across tenants, docs/security.md).
-                    "GPUOBJ_ALLOW_CMA": "true",
-                },
-            ).start(ready_timeout=180)
-            workloads.append(w)
-            return w, uid
+    env = {
+        "GPUOBJ_WRITE_WINDOW": str(args.window),
+        # One user's processes on one node, as Ray's actors here, which use UCX's cma: the same
+        # transport on both sides (off by default across tenants, docs/security.md).
+        "GPUOBJ_ALLOW_CMA": "true",
+    }
+    with BenchCluster(operator_args=args.operator_arg, env=env) as bench:
+        handle, operator, workloads, start = bench.handle, bench.operator, bench.workloads, bench.start
 
         def make_pair(k: int):
             src, _ = start(f"src-{k}")
@@ -627,15 +553,6 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
             }
         out["load_end"] = load()
         return out
-    finally:
-        for w in workloads:
-            w.kill()
-        if operator:
-            operator.stop()
-        for creds in identities:
-            with contextlib.suppress(Exception):
-                creds.stop()
-        cluster.down(quiet=True)
 
 
 def recorded_steps(samples: list[dict], operator_lines) -> dict:

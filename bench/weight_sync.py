@@ -30,8 +30,6 @@ load is printed. A benchmark, not a test: nothing here asserts a timing.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import os
 import statistics
@@ -45,9 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.lifecycle import load, settle  # noqa: E402  (the machine's load, and waiting for it to settle)
-
-NAMESPACE = "gpuobj-bench"
+from bench._cluster import BenchCluster, load, ray_init, settle  # noqa: E402  (the shared start-up)
 
 TRAINER_SETUP = r"""
 import time
@@ -69,13 +65,20 @@ def publish(version, readers):
     sd = model.state_dict()
     crc = models.checksum(sd)
     regs = [ledger.registrations, ledger.deregistrations]
+    before = client.pack_stats()
     t0 = time.monotonic()
     ref = client.put(sd)
+    put_s = time.monotonic() - t0
     shares = [dump_pickle(client.share(ref, name, incarnation=inc)) for name, inc in readers]
     old, mine = mine, ref
     if old is not None:
-        old.release()
-    return [t0, crc, shares, regs]
+        client.release(old)
+    after = client.pack_stats()
+    # the per-step breakdown: did this put reuse a buffer, wait for a version's free, or make a new one
+    step = {"put_s": put_s, "new_buffer": after["buffers"] > before["buffers"],
+            "waited_s": after["waitSeconds"] - before["waitSeconds"],
+            "wait_ran_out": after["waitTimeouts"] > before["waitTimeouts"], "idle_before": before["idle"]}
+    return [t0, crc, shares, regs, step]
 
 def finish():
     global mine
@@ -116,7 +119,7 @@ def take(shared, crc):
     done = time.monotonic()
     old, held = held, (h, sd)
     if old is not None:
-        old[0].release()
+        client.release(old[0])  # returns once the source took the release (it may free the version now)
     del old
     return [ok, fetched - t, done]
 
@@ -156,72 +159,20 @@ def median(values: list[float]) -> float:
 
 
 def gpuobj_side(args: argparse.Namespace) -> dict:
-    from gpuobj_dev.cluster import DevCluster
-    from gpuobj_dev.testing.cluster import ClusterHandle
-    from gpuobj_dev.testing.identities import (
-        OPERATOR_SA,
-        WORKLOAD_SA,
-        credentials,
-        install_identities,
-        operator_subject,
-    )
-    from gpuobj_dev.testing.operator import OperatorProcess
-    from gpuobj_dev.testing.pods import create_agent_pod
-    from gpuobj_dev.testing.workload import WorkloadProcess, free_port
-
-    state = Path(tempfile.mkdtemp(prefix="gpuobj-bench-"))
-    cluster = DevCluster(state, tie_to_parent=True, log=lambda m: print(f"# {m}", file=sys.stderr, flush=True))
-    handle = ClusterHandle(cluster, cluster.up())
-    workloads: list[WorkloadProcess] = []
-    identities: list = []
-    operator = None
     out: dict = {"load_start": load(), "rows": {}, "raw": {}, "errors": []}
-    try:
-        handle.apply_crds()
-        handle.kubectl("create", "namespace", NAMESPACE)
-        install_identities(handle, NAMESPACE)
-        op_creds = credentials(handle, NAMESPACE, OPERATOR_SA, state / "operator")
-        identities.append(op_creds)
-        operator = (
-            OperatorProcess(
-                op_creds.agent_token.with_name("kubeconfig"),
-                op_creds.agent_token,
-                lease_namespace=NAMESPACE,
-                extra_args=["--namespace", NAMESPACE],
-            )
-            .start()
-            .wait_ready()
-        )
+    env = {
+        # One user's processes on one node, as Ray's actors here, which use UCX's cma: the same
+        # transport on every side (off by default across tenants, docs/security.md).
+        "GPUOBJ_ALLOW_CMA": "true",
+        "GPUOBJ_WRITE_WINDOW": str(args.window),
+        # A reader keeps two versions' landing buffers registered and faulted in (docs/weight-sync.md).
+        "GPUOBJ_LANDING_IDLE_BYTES": str(args.landing_idle_bytes),
+    }
+    with BenchCluster(env=env) as bench:
+        operator = bench.operator
 
-        async def pod(name: str, port: int) -> str:
-            async with handle.client() as kube:
-                created = await create_agent_pod(kube, NAMESPACE, name, port=port, service_account=WORKLOAD_SA)
-                return created["metadata"]["uid"]
-
-        def start(name: str) -> WorkloadProcess:
-            port = free_port()
-            uid = asyncio.run(pod(name, port))
-            creds = credentials(handle, NAMESPACE, WORKLOAD_SA, state / name, pod=(name, uid))
-            identities.append(creds)
-            w = WorkloadProcess(
-                pod_name=name,
-                namespace=NAMESPACE,
-                pod_uid=uid,
-                port=port,
-                token_file=creds.agent_token,
-                kubeconfig=creds.kubeconfig,
-                # One user's processes on one node, as Ray's actors here, which use UCX's cma: the same
-                # transport on every side (off by default across tenants, docs/security.md).
-                env={
-                    "GPUOBJ_OPERATOR_SERVICEACCOUNT": operator_subject(NAMESPACE),
-                    "GPUOBJ_ALLOW_CMA": "true",
-                    "GPUOBJ_WRITE_WINDOW": str(args.window),
-                    # A reader keeps two versions' landing buffers registered and faulted in (docs/weight-sync.md).
-                    "GPUOBJ_LANDING_IDLE_BYTES": str(args.landing_idle_bytes),
-                },
-            ).start(ready_timeout=180)
-            workloads.append(w)
-            return w
+        def start(name: str):  # type: ignore[no-untyped-def]
+            return bench.start(name)[0]
 
         trainer = start("trainer")
         trainer.run(TRAINER_SETUP)
@@ -254,24 +205,16 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
         out["leaked_bytes_end"] = leaked_end(operator) if not out["errors"] else None
         out["load_end"] = load()
         return out
-    finally:
-        for w in workloads:
-            w.kill()
-        if operator:
-            operator.stop()
-        for creds in identities:
-            with contextlib.suppress(Exception):
-                creds.stop()
-        cluster.down(quiet=True)
 
 
 def version_loop(args, trainer, readers, names, incarnations, nbytes) -> dict:
     """--versions versions to `names`; per version: publish -> every reader verified, fetch time, counts."""
     targets = [[n, incarnations[n]] for n in names]
-    totals, fetch_s, regs, verified = [], [], [], True
+    totals, fetch_s, regs, steps, verified = [], [], [], [], True
     for version in range(1, args.versions + 1):
-        t0, crc, shares, counts = trainer.eval(f"publish({version}, {targets!r})", timeout=600)
+        t0, crc, shares, counts, step = trainer.eval(f"publish({version}, {targets!r})", timeout=600)
         regs.append(counts)
+        steps.append(step)
         results: dict[str, list] = {}
 
         def take(name: str, shared: str, crc: int = crc, results: dict = results) -> None:
@@ -287,6 +230,8 @@ def version_loop(args, trainer, readers, names, incarnations, nbytes) -> dict:
         verified = verified and all(r[0] for r in results.values())
         totals.append(max(r[2] for r in results.values()) - t0)
         fetch_s.extend(r[1] for r in results.values())
+        step["fetch_s"] = [r[1] for r in results.values()]
+        step["verified_s"] = max(r[2] for r in results.values()) - t0
     for n in names:
         readers[n].run("drop()")
     end_regs, end_deregs, pool = trainer.eval("finish()")
@@ -300,6 +245,8 @@ def version_loop(args, trainer, readers, names, incarnations, nbytes) -> dict:
         "registrations_per_version_after_second": (regs[-1][0] - regs[2][0]) / later,
         "deregistrations_per_version_after_second": (regs[-1][1] - regs[2][1]) / later,
         "registrations_total": regs[-1][0] - regs[0][0],
+        "steps": steps,  # per version: put time, new buffer or reused, wait for a free, fetch times
+        "pack_waits": pool["waits"],
         "trainer_peak_bytes": pool["bytes"],
         "trainer_peak_versions": pool["bytes"] / nbytes,
         "bytes_verified": verified,
@@ -320,20 +267,13 @@ def leaked_end(operator) -> float:
 
 
 def ray_side(args: argparse.Namespace) -> dict:
-    import logging
 
     import ray
 
     from gpuobj_dev import models
 
     models.ensure_transformers()
-    os.environ.setdefault("RAY_worker_niceness", "0")  # as in bench/lifecycle.py: the default priority
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level=logging.ERROR,
-    )
+    ray_init()
     out: dict = {"load_start": load(), "rows": {}, "errors": []}
     try:
 
@@ -494,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         "locally at its last release; one that outlives it is freed by the operator (docs/write-behind.md)",
     )
     parser.add_argument(
-        "--landing-idle-bytes", type=int, default=4 << 30, help="readers' idle landing memory kept registered"
+        "--landing-idle-bytes", type=int, default=2 << 30, help="readers' idle landing memory kept registered"
     )
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray RDT side")
     parser.add_argument("--json", help="write every figure to this file")

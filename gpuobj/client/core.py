@@ -301,12 +301,18 @@ class ClientCore:
         """One object for a whole state dict: copied into a pooled pack buffer (one NIXL region; none new
         once a buffer of these shapes was freed), names kept, tied tensors stored once."""
         plan = state_dicts.plan(state_dict)
-        pack = self.packs.take(plan)
+        pooled = self._agent_pools()
+        wb = self.wb
+        if pooled and wb is not None and self.packs.draining(plan, lambda tag: wb.released(*tag)):
+            # Readers kept up: the oldest version's free is on its way through the operator. Waiting for
+            # it costs less than a new registration and a version's bytes kept for good.
+            pack = await self.packs.take_waiting(plan, state_dicts.DRAIN_WAIT)
+        else:
+            pack = self.packs.take(plan)
         back = self.packs.returner(pack)
         try:
             await asyncio.to_thread(pack.fill, plan)  # the version's bytes, copied off the client loop
-            pooled = self._agent_pools()
-            return await self.put(
+            ref = await self.put(
                 pack.views,
                 name=name,
                 labels=labels,
@@ -317,6 +323,8 @@ class ClientCore:
         except BaseException:
             back()  # never stored (or already freed by the failed put): the buffer is free again
             raise
+        self.packs.tag(pack, (ref.address.namespace, ref.address.name))
+        return ref
 
     def _agent_pools(self) -> bool:
         """Whether our agent keeps pooled memory registered across frees (the embedded AgentRuntime does)."""

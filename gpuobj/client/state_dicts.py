@@ -11,10 +11,13 @@ Why pooling: a trainer publishes the same shapes every step. A pack buffer goes 
 client's pool when the agent has freed the version in it (the operator tells it once the last
 reader released it), and the next version of the same shapes is copied into it: the region is
 still registered in the agent's NIXL agent (parked, registrations.py), so publishing makes no new
-registration. A version still held by a lagging reader keeps its buffer; the next publish takes
-another one (registered once) rather than waiting. Idle buffers stay in the pool for the client's
-life (they are what makes the next version free to publish); the pool holds at most as many
-buffers per shape as versions were alive at once.
+registration. A version whose every reference this process knows of is released (the readers kept
+up) but whose free has not landed yet (the operator frees recorded versions) is waited for, at most
+DRAIN_WAIT: without that wait a trainer publishing faster than the frees land grows its pool by one
+buffer (one registration, one version's bytes) per publish. A version still held by a lagging
+reader keeps its buffer; the next publish takes another one (registered once) rather than waiting.
+Idle buffers stay in the pool for the client's life (they are what makes the next version free to
+publish); the pool holds at most as many buffers per shape as versions were alive at once.
 
 Tied weights (two names for one tensor, e.g. embeddings tied to the output layer) are stored once
 and come back as one tensor under both names; two names for different but overlapping views of
@@ -24,7 +27,10 @@ agent calls are the caller's (core.py).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -151,6 +157,15 @@ class Pack:
                 view.copy_(t)
 
 
+# How long a put waits for a version whose every known reference is gone but whose free has not
+# landed yet (the operator frees recorded versions, p50 ~0.1 s): a reused buffer costs no registration,
+# while a fresh one costs a registration and a version's bytes for the rest of the process's life. A
+# version a reader still holds is never waited for (see PackPool.draining).
+DRAIN_WAIT = 2.0
+
+Tag = tuple[str, str]  # (namespace, name) of the object a busy buffer holds
+
+
 class PackPool:
     """Idle pack buffers by signature, and counts a test or a benchmark asserts on. Thread-safe: the
     agent gives buffers back from its own loop."""
@@ -158,32 +173,98 @@ class PackPool:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._idle: dict[tuple, list[Pack]] = {}
+        self._busy: dict[int, tuple[tuple, Tag | None]] = {}  # id(pack) -> (signature, the object in it)
+        self._waiters: list[tuple[tuple, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self.allocated = 0  # buffers made (each is one NIXL registration on its first put)
         self.reused = 0
         self.bytes = 0  # bytes of every buffer the pool made (idle or holding a version)
         self.peak_busy_bytes = 0  # the most bytes holding versions at once
         self._busy_bytes = 0
+        self.waits = 0  # takes that waited for a draining version's free
+        self.wait_seconds = 0.0
+        self.wait_timeouts = 0  # waits that ran out (a fresh buffer was made)
+
+    def _pop_idle(self, p: PackPlan) -> Pack | None:
+        idle = self._idle.get(p.signature)
+        return idle.pop() if idle else None
+
+    def _busy_add(self, pack: Pack, p: PackPlan) -> None:
+        self._busy[id(pack)] = (p.signature, None)
+        self._busy_bytes += p.nbytes
+        self.peak_busy_bytes = max(self.peak_busy_bytes, self._busy_bytes)
 
     def take(self, p: PackPlan) -> Pack:
+        """An idle buffer of this layout, else a new one (registered on its first put)."""
         with self._lock:
-            idle = self._idle.get(p.signature)
-            pack = idle.pop() if idle else None
+            pack = self._pop_idle(p)
             if pack is not None:
                 self.reused += 1
-            self._busy_bytes += p.nbytes
-            self.peak_busy_bytes = max(self.peak_busy_bytes, self._busy_bytes)
-        if pack is None:
-            pack = Pack(p)
-            with self._lock:
-                self.allocated += 1
-                self.bytes += pack.nbytes
+                self._busy_add(pack, p)
+                return pack
+        pack = Pack(p)
+        with self._lock:
+            self.allocated += 1
+            self.bytes += pack.nbytes
+            self._busy_add(pack, p)
         return pack
+
+    def tag(self, pack: Pack, tag: Tag) -> None:
+        """Which object `pack` holds now (its put returned), so that a later take can tell whether it drains."""
+        with self._lock:
+            if id(pack) in self._busy:  # not already given back
+                self._busy[id(pack)] = (pack.signature, tag)
+
+    def draining(self, p: PackPlan, released: Callable[[Tag], bool]) -> bool:
+        """No idle buffer of this layout, but one holds a version whose every reference we know of is
+        released (`released`): its free is on its way, so waiting for it beats registering a new buffer.
+        A version a reader still holds (a lagging reader) is not draining: the put does not wait for it."""
+        with self._lock:
+            if self._idle.get(p.signature):
+                return False
+            tags = [tag for sig, tag in self._busy.values() if sig == p.signature and tag is not None]
+        return any(released(tag) for tag in tags)
+
+    async def take_waiting(self, p: PackPlan, timeout: float) -> Pack:
+        """`take`, after waiting up to `timeout` s for a buffer of this layout to come back (on this loop)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        started = time.monotonic()
+        with self._lock:
+            self.waits += 1
+        while True:
+            with self._lock:
+                pack = self._pop_idle(p)
+                if pack is not None:
+                    self.reused += 1
+                    self._busy_add(pack, p)
+                    self.wait_seconds += time.monotonic() - started
+                    return pack
+                left = deadline - loop.time()
+                if left <= 0:
+                    self.wait_timeouts += 1
+                    self.wait_seconds += time.monotonic() - started
+                    break
+                waiter: asyncio.Future[None] = loop.create_future()
+                entry = (p.signature, loop, waiter)
+                self._waiters.append(entry)
+            try:
+                await asyncio.wait({waiter}, timeout=left)
+            finally:
+                with self._lock:
+                    if entry in self._waiters:
+                        self._waiters.remove(entry)
+        return self.take(p)
 
     def give_back(self, pack: Pack) -> None:
         """The version in `pack` is freed (no reader can read it any more): the next put may refill it."""
         with self._lock:
+            self._busy.pop(id(pack), None)
             self._busy_bytes -= pack.nbytes
             self._idle.setdefault(pack.signature, []).append(pack)
+            woken = [(loop, fut) for sig, loop, fut in self._waiters if sig == pack.signature]
+        for loop, fut in woken:
+            with contextlib.suppress(RuntimeError):  # that loop closed: nobody waits there any more
+                loop.call_soon_threadsafe(_wake, fut)
 
     def returner(self, pack: Pack) -> Callable[[], None]:
         """A callback for the agent: run once, when the object holding `pack` is released."""
@@ -196,7 +277,7 @@ class PackPool:
 
         return back
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         with self._lock:
             return {
                 "buffers": self.allocated,
@@ -205,7 +286,15 @@ class PackPool:
                 "busyBytes": self._busy_bytes,
                 "peakBusyBytes": self.peak_busy_bytes,
                 "idle": sum(len(v) for v in self._idle.values()),
+                "waits": self.waits,
+                "waitSeconds": round(self.wait_seconds, 6),
+                "waitTimeouts": self.wait_timeouts,
             }
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def unpack(entries: Entries, tensors: list[Any]) -> dict[str, Any]:

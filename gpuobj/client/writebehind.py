@@ -265,6 +265,11 @@ class WriteBehind:
         rec = fam.records.get(f"{kind}:{name}")
         return None if rec is None else (fam, rec)
 
+    def released(self, namespace: str, object_name: str) -> bool:
+        """Every reference to this object that this process made (its own, its hand-offs) is released."""
+        fam = self.families.get((namespace, object_name))
+        return fam is None or not fam.live
+
     def _add(self, fam: Family, rec: Record) -> None:
         fam.records[f"{rec.kind}:{rec.name}"] = rec
         self._index[(rec.kind, rec.namespace, rec.name)] = fam
