@@ -1,9 +1,9 @@
 """Event intake: the initial sync and every watch event, parsed and applied to the ledger; the keys whose
 decision may have changed go to the work queue. Nothing here decides or writes.
 
-Why apart from the executors: this runs on the event loop for every event of four watches (kopf's
-objects and streams, the pod and claims informers), so it must stay cheap (the ledger's indexes) and
-never wait; the workers (reconciler.py) take it from there.
+Why apart from the executors: this runs on the event loop for every event of four watches (the
+GPUObject, stream, pod and claims informers of gpuobj_kube.informer), so it must stay cheap (the
+ledger's indexes) and never wait; the workers (reconciler.py) take it from there.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from gpuobj_contract import names
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, KubeClient
+from gpuobj_kube.informer import identity
 from gpuobj_operator.expectations import Expectations
 from gpuobj_operator.free_path import is_marker
 from gpuobj_operator.ledger import Ledger
@@ -45,7 +46,8 @@ class Intake:
         self.settings = settings
         self.enqueue = enqueue
         self.enqueue_all = enqueue_all
-        self.listed: dict[str, tuple[str, list[dict]]] = {}  # kind -> (resourceVersion, stubs) of the sync
+        # kind -> (resourceVersion, identities) of the sync's lists: where each informer takes over
+        self.listed: dict[str, tuple[str, list[dict]]] = {}
 
     async def sync(self) -> None:
         """List every kind once before any decision: a free decided on a partial view could be wrong."""
@@ -67,10 +69,11 @@ class Intake:
         for o in objects["items"]:
             self.ledger.upsert_object(parse_object(o), now)
         self.ledger.synced = True
-        # Where the pod and claims watches take over: from these lists, so nothing after them is missed.
+        # Where every watch takes over: from these lists, so nothing after them is missed ("synced" means
+        # each informer listed once: these are their lists). Only identities are kept, never bodies.
         self.listed = {
-            "pods": (pods["metadata"]["resourceVersion"], [_stub(p) for p in pods["items"]]),
-            "claims": (claims["metadata"]["resourceVersion"], [_stub(c) for c in claims["items"]]),
+            kind: (listed["metadata"]["resourceVersion"], [keep(raw) for raw in listed["items"]])
+            for kind, listed in (("pods", pods), ("claims", claims), ("objects", objects), ("streams", streams))
         }
         self.enqueue_all()
         log.info(
@@ -81,7 +84,7 @@ class Intake:
             len(self.ledger.pods),
         )
 
-    # ------------------------------------------------------------ event intake (from kopf handlers)
+    # ------------------------------------------------------------ event intake (from the informers)
 
     def on_object(self, event_type: str | None, raw: dict) -> None:
         info = parse_object(raw)
@@ -127,10 +130,7 @@ class Intake:
         self.enqueue(self.ledger.remove_pod(info) if event_type == "DELETED" else self.ledger.upsert_pod(info))
 
 
-def _stub(raw: dict) -> dict:
-    """What an informer must remember of a listed object to report its deletion: its identity."""
-    meta = raw["metadata"]
-    stub = {"metadata": {k: meta[k] for k in ("namespace", "name", "uid") if k in meta}}
-    if "spec" in raw and "objectName" in (raw["spec"] or {}):
-        stub["spec"] = {"objectName": raw["spec"]["objectName"]}
-    return stub
+def keep(raw: dict) -> dict:
+    """What an informer remembers of an object to report its deletion: its identity (a claim's
+    objectName too, which tells the progress marker apart)."""
+    return identity(raw, ("objectName",))

@@ -1,7 +1,9 @@
 """Plain records of what the API says, parsed once at the edge.
 
 Why: the ledger and the decisions work on these, never on raw dicts, so their unit tests build
-them directly and the parsing rules (which field means what) live in one place.
+them directly and the parsing rules (which field means what) live in one place. They are what the
+operator keeps of each object, claim, stream and pod (slotted; the API's bodies are not kept): at
+100,000 objects and claims their size is the operator's memory (docs/scale.md).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from gpuobj_contract.layouts import tensor_bytes
 Key = tuple[str, str]  # (namespace, name)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ContainerRun:
     """One run of a container as the kubelet reports it (times on the node's clock, whole seconds)."""
 
@@ -24,7 +26,7 @@ class ContainerRun:
     finished: dt.datetime | None = None  # None while it runs
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class AgentContainer:
     """What the kubelet says of the container the pod's agent runs in (status.containerStatuses[]):
     its restart count, its current run and the run before (docs/liveness.md)."""
@@ -35,7 +37,7 @@ class AgentContainer:
     last: ContainerRun | None = None  # lastState.terminated
 
 
-@dataclass
+@dataclass(slots=True)
 class PodInfo:
     namespace: str
     name: str
@@ -54,7 +56,7 @@ class PodInfo:
         return self.deleted or self.phase in ("Succeeded", "Failed")
 
 
-@dataclass
+@dataclass(slots=True)
 class ObjectInfo:
     namespace: str
     name: str
@@ -118,7 +120,7 @@ class ObjectInfo:
         return None
 
 
-@dataclass
+@dataclass(slots=True)
 class ClaimInfo:
     namespace: str
     name: str
@@ -144,7 +146,7 @@ class ClaimInfo:
         return (self.namespace, self.object_name)
 
 
-@dataclass
+@dataclass(slots=True)
 class StreamInfo:
     namespace: str
     name: str
