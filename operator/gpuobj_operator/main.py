@@ -259,6 +259,23 @@ async def run(args: argparse.Namespace) -> int:
     return rc
 
 
+def build_informers(
+    kube: KubeClient, reconciler: Reconciler, ns: str | None, watermark: Watermark
+) -> dict[str, Informer]:
+    """One in-order informer per kind the operator watches, keyed as the sync's lists are
+    (Intake.listed): each is seeded from that list, so "synced" means every informer listed once."""
+    return {
+        "objects": Informer(kube, GPUOBJECTS, reconciler.on_object, namespace=ns, keep=intake_keep),
+        "streams": Informer(kube, STREAMS, reconciler.on_stream, namespace=ns, keep=intake_keep),
+        "pods": Informer(
+            kube, PODS, reconciler.on_pod, namespace=ns, label_selector=LABEL_AGENT_SELECTOR, keep=intake_keep
+        ),
+        "claims": Informer(
+            kube, CLAIMS, reconciler.on_claim, namespace=ns, on_progress=watermark.observe, keep=intake_keep
+        ),
+    }
+
+
 async def lead(
     args: argparse.Namespace,
     config: KubeConfig,
@@ -277,20 +294,10 @@ async def lead(
     Everything this term started is stopped before it returns, so nothing it knew outlives it."""
     reconciler = Reconciler(kube, agents, metrics, events, settings_from(args), may_act=elector.holds_lease)
     reconciler_box[:] = [reconciler]
-    ns = args.namespace
     # The claims watermark lets a free skip the claims read once every claim event up to the object's
     # deletion is in the ledger (claimcheck.py): it needs the in-order informer.
     watermark = Watermark()
-    informers = {
-        "objects": Informer(kube, GPUOBJECTS, reconciler.on_object, namespace=ns, keep=intake_keep),
-        "streams": Informer(kube, STREAMS, reconciler.on_stream, namespace=ns, keep=intake_keep),
-        "pods": Informer(
-            kube, PODS, reconciler.on_pod, namespace=ns, label_selector=LABEL_AGENT_SELECTOR, keep=intake_keep
-        ),
-        "claims": Informer(
-            kube, CLAIMS, reconciler.on_claim, namespace=ns, on_progress=watermark.observe, keep=intake_keep
-        ),
-    }
+    informers = build_informers(kube, reconciler, args.namespace, watermark)
     reconciler.free_path.claims_watermark = watermark
     if args.claims_progress_marker:
         marker_namespace = args.namespace or args.lease_namespace
