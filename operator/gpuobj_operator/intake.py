@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from gpuobj_contract import names
-from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, KubeClient
+from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, KubeClient, Resource
 from gpuobj_kube.informer import identity
 from gpuobj_operator.expectations import Expectations
 from gpuobj_operator.free_path import is_marker
@@ -26,6 +26,7 @@ log = logging.getLogger("gpuobj.operator")
 
 WorkItem = tuple[str, Key]
 LABEL_AGENT_SELECTOR = f"{names.LABEL_AGENT}=true"
+SYNC_PAGE = 500  # items per page of the sync's lists
 
 
 class Intake:
@@ -50,31 +51,29 @@ class Intake:
         self.listed: dict[str, tuple[str, list[dict]]] = {}
 
     async def sync(self) -> None:
-        """List every kind once before any decision: a free decided on a partial view could be wrong."""
+        """List every kind once before any decision: a free decided on a partial view could be wrong.
+        Page by page (SYNC_PAGE items), each applied and dropped before the next: the operator never
+        holds a whole list's bodies, whose peak would stay in its RSS (docs/scale.md)."""
         now = time.monotonic()
-        ns = self.settings.namespace
-        streams = await self.kube.list(STREAMS, ns)
-        claims = await self.kube.list(CLAIMS, ns)
-        pods = await self.kube.list(PODS, ns, label_selector=LABEL_AGENT_SELECTOR)
-        objects = await self.kube.list(GPUOBJECTS, ns)
-        for s in streams["items"]:
-            self.ledger.upsert_stream(parse_stream(s))
-        for c in claims["items"]:
-            if not is_marker(c):
-                self.ledger.upsert_claim(parse_claim(c), now)
-        for p in pods["items"]:
-            pod = self.parse_pod(p)
-            self.ledger.liveness.observe_container(pod.key, pod.uid, pod.agent_container)
-            self.ledger.upsert_pod(pod)
-        for o in objects["items"]:
-            self.ledger.upsert_object(parse_object(o), now)
-        self.ledger.synced = True
+
+        def pod(raw: dict) -> None:
+            info = self.parse_pod(raw)
+            self.ledger.liveness.observe_container(info.key, info.uid, info.agent_container)
+            self.ledger.upsert_pod(info)
+
+        def claim(raw: dict) -> None:
+            if not is_marker(raw):
+                self.ledger.upsert_claim(parse_claim(raw), now)
+
         # Where every watch takes over: from these lists, so nothing after them is missed ("synced" means
         # each informer listed once: these are their lists). Only identities are kept, never bodies.
         self.listed = {
-            kind: (listed["metadata"]["resourceVersion"], [keep(raw) for raw in listed["items"]])
-            for kind, listed in (("pods", pods), ("claims", claims), ("objects", objects), ("streams", streams))
+            "streams": await self._list(STREAMS, lambda raw: self.ledger.upsert_stream(parse_stream(raw))),
+            "claims": await self._list(CLAIMS, claim),
+            "pods": await self._list(PODS, pod, LABEL_AGENT_SELECTOR),
+            "objects": await self._list(GPUOBJECTS, lambda raw: self.ledger.upsert_object(parse_object(raw), now)),
         }
+        self.ledger.synced = True
         self.enqueue_all()
         log.info(
             "synced: %d objects, %d claims, %d streams, %d agent pods",
@@ -83,6 +82,20 @@ class Intake:
             len(self.ledger.streams),
             len(self.ledger.pods),
         )
+
+    async def _list(
+        self, res: Resource, apply: Callable[[dict], object], label_selector: str | None = None
+    ) -> tuple[str, list[dict]]:
+        """One kind's list, applied page by page; its resourceVersion and the identities it listed."""
+        version, kept = "", []
+        async for page in self.kube.list_pages(
+            res, self.settings.namespace, label_selector=label_selector, limit=SYNC_PAGE
+        ):
+            for raw in page.get("items", []):
+                apply(raw)
+                kept.append(keep(raw))
+            version = page["metadata"]["resourceVersion"]
+        return version, kept
 
     # ------------------------------------------------------------ event intake (from the informers)
 

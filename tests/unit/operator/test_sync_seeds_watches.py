@@ -50,13 +50,17 @@ class ScriptedKube:
     def __init__(self, events: dict[str, list[tuple[str, dict]]]) -> None:
         self.events = events
         self.lists: list[str] = []
+        self.limits: set[int | None] = set()
         self.watched: dict[str, str | None] = {}
         self.all_watching = asyncio.Event()
 
-    async def list(self, res, namespace=None, **_):
+    async def list_pages(self, res, namespace=None, *, limit=None, **_):
+        """The sync's lists, one item per page (as a page limit would cut them): each page is applied."""
         self.lists.append(res.plural)
+        self.limits.add(limit)
         rv, items = LISTS[res.plural]
-        return {"items": items, "metadata": {"resourceVersion": rv}}
+        for item in items:
+            yield {"items": [item], "metadata": {"resourceVersion": rv}}
 
     async def watch(self, res, namespace=None, *, resource_version=None, **_):
         self.watched[res.plural] = resource_version
@@ -103,6 +107,7 @@ def test_the_sync_seeds_every_informer_and_a_deletion_in_between_arrives() -> No
     listed = asyncio.run(go())
     # Each watch starts at its own list's version: no list of their own, nothing after the sync missed.
     assert kube.lists == [STREAMS.plural, CLAIMS.plural, PODS.plural, GPUOBJECTS.plural]
+    assert None not in kube.limits  # paged: the operator never holds a whole list's bodies
     assert kube.watched == {plural: rv for plural, (rv, _) in LISTS.items()}
     assert set(ledger.objects) == {(NS, "o1")}  # the deletion between the sync and the watch arrived
     # Identities only: no spec (but a claim's objectName), no status, no resourceVersion kept.
