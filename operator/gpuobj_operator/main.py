@@ -21,16 +21,16 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import prometheus_client
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpuobj_contract import names
-from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, KubeClient
-from gpuobj_kube.config import KubeConfig
+from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, KubeClient, Resource
 from gpuobj_kube.config import load as load_config
-from gpuobj_kube.informer import Informer
+from gpuobj_kube.informer import Handler, Informer
 from gpuobj_operator.agent_client import AgentClient
 from gpuobj_operator.claimcheck import Watermark
 from gpuobj_operator.events import EventRecorder
@@ -218,7 +218,7 @@ async def run(args: argparse.Namespace) -> int:
             print(f"gpuobj operator: leading as {args.identity}", flush=True)
             try:
                 outcome = await lead(
-                    args, config, kube, agents, events, metrics, health, elector, stop, stopping, reconciler_box
+                    args, kube, agents, events, metrics, health, elector, stop, stopping, reconciler_box
                 )
             except TermStuck as exc:
                 print(f"gpuobj operator: {exc}; exiting", file=sys.stderr, flush=True)
@@ -259,26 +259,31 @@ async def run(args: argparse.Namespace) -> int:
     return rc
 
 
+# After an API or etcd outage, watch again within ~2 s of the API's return (kopf's default backoffs,
+# 1, 1, 2, 3, 5, 8, 13, 21 s, once made cleanup trail a 35 s etcd outage by 46 s). About a minute of
+# errors in a row ends the informer (InformerFailed), then the process; its Deployment restarts it.
+WATCH_BACKOFF = (0.25, 2.0)
+
+
 def build_informers(
     kube: KubeClient, reconciler: Reconciler, ns: str | None, watermark: Watermark
 ) -> dict[str, Informer]:
     """One in-order informer per kind the operator watches, keyed as the sync's lists are
     (Intake.listed): each is seeded from that list, so "synced" means every informer listed once."""
+
+    def informer(res: Resource, handler: Handler, **options: Any) -> Informer:
+        return Informer(kube, res, handler, namespace=ns, keep=intake_keep, backoff=WATCH_BACKOFF, **options)
+
     return {
-        "objects": Informer(kube, GPUOBJECTS, reconciler.on_object, namespace=ns, keep=intake_keep),
-        "streams": Informer(kube, STREAMS, reconciler.on_stream, namespace=ns, keep=intake_keep),
-        "pods": Informer(
-            kube, PODS, reconciler.on_pod, namespace=ns, label_selector=LABEL_AGENT_SELECTOR, keep=intake_keep
-        ),
-        "claims": Informer(
-            kube, CLAIMS, reconciler.on_claim, namespace=ns, on_progress=watermark.observe, keep=intake_keep
-        ),
+        "objects": informer(GPUOBJECTS, reconciler.on_object),
+        "streams": informer(STREAMS, reconciler.on_stream),
+        "pods": informer(PODS, reconciler.on_pod, label_selector=LABEL_AGENT_SELECTOR),
+        "claims": informer(CLAIMS, reconciler.on_claim, on_progress=watermark.observe),
     }
 
 
 async def lead(
     args: argparse.Namespace,
-    config: KubeConfig,
     kube: KubeClient,
     agents: AgentClient,
     events: EventRecorder,
