@@ -114,8 +114,9 @@ class StreamReader:
         self._changed = asyncio.Event()
 
         def on_item(obj: dict, deleted: bool) -> None:
-            item = crd.GPUObjectSpec.from_json(obj.get("spec")).stream
-            index = item.index if item is not None else -1
+            # Only spec.stream: a deletion found by a relist reports the identity the informer kept.
+            item = (obj.get("spec") or {}).get("stream")
+            index = crd.StreamItem.from_json(item).index if item else -1
             if deleted or obj["metadata"].get("deletionTimestamp"):
                 self._items.pop(index, None)
             else:

@@ -78,3 +78,53 @@ def test_an_error_that_persists_is_raised_as_itself(monkeypatch) -> None:
         assert caught.value is forbidden and kube.lists >= streams.WATCH_ATTEMPTS
 
     asyncio.run(go())
+
+
+def item(index: int, rv: str) -> dict:
+    return {
+        "metadata": {"namespace": "ns", "name": f"s-{index}", "uid": f"u-{index}", "resourceVersion": rv},
+        "spec": {
+            "source": {"podName": "producer"},
+            "tensors": [{"shape": [4], "dtype": "float32"}],
+            "stream": {"name": "s", "index": index},
+        },
+    }
+
+
+class RelistingKube:
+    """Items: lists item 0, the watch expires (410), the relist shows it gone. The stream: listed, quiet."""
+
+    def __init__(self) -> None:
+        self.item_lists = [[item(0, "5")], []]
+        self.relisted = asyncio.Event()
+
+    async def list(self, res, namespace, **selector):
+        if res is not GPUOBJECTS:
+            return {"items": [], "metadata": {"resourceVersion": "5"}}
+        items = self.item_lists.pop(0) if self.item_lists else []
+        if not self.item_lists:
+            self.relisted.set()
+        return {"items": items, "metadata": {"resourceVersion": "6"}}
+
+    async def watch(self, res, namespace, **kwargs):
+        if res is GPUOBJECTS and self.item_lists:
+            raise Gone(410, "Expired", "too old")
+        await asyncio.Event().wait()
+        yield  # pragma: no cover (an async generator that stays quiet)
+
+
+def test_an_item_gone_while_the_watch_was_expired_leaves_the_reader_by_its_identity() -> None:
+    async def go() -> None:
+        kube = RelistingKube()
+        r = reader(kube)  # type: ignore[arg-type]
+        r._start_watches()
+        async with asyncio.timeout(10):
+            await kube.relisted.wait()
+            while 0 in r._items:  # until the relist's DELETED is handled
+                r._changed.clear()
+                await r._changed.wait()
+        failed = [t for t in r._watches if t.done()]
+        await r._stop_watches()
+        assert r._items == {} and failed == [] and r.watch_failures == 0
+
+    asyncio.run(go())
