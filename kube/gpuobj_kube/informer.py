@@ -188,6 +188,9 @@ class Informer:
                     # Only once handled: a handler that fails makes us list again (below), never skip.
                     rv = obj["metadata"].get("resourceVersion", rv)
                     self.on_progress(rv)
+                    # A burst arrives buffered, and reading a buffered line does not suspend: let the
+                    # loop run between events (the leader lease's renewal, the workers), not after all.
+                    await asyncio.sleep(0)
             except Gone:
                 rv = None  # too old: list again (what went meanwhile is reported DELETED)
             except asyncio.CancelledError:

@@ -125,3 +125,32 @@ def test_it_remembers_identities_not_bodies_and_reports_a_deletion_with_them() -
 
     asyncio.run(go())
     assert gone == [{"metadata": {"namespace": "ml", "name": "a", "uid": "u-a"}}]
+
+
+def test_a_buffered_burst_lets_the_loop_run_between_events() -> None:
+    # 500 events that need no wait to read: the lease's renewal must still run during them.
+    burst = [("ADDED", pod(f"p{i}", str(11 + i))) for i in range(500)]
+    kube = FakeKube([], [burst])
+    handled: list[str] = []
+    seen_mid_burst: list[int] = []
+
+    async def go() -> None:
+        informer = Informer(kube, PODS, lambda t, o: handled.append(o["metadata"]["name"]))  # type: ignore[arg-type]
+        informer.seed([], "10")
+
+        async def other_work() -> None:
+            while len(handled) < len(burst):
+                if handled:
+                    seen_mid_burst.append(len(handled))
+                await asyncio.sleep(0)
+
+        other = asyncio.ensure_future(other_work())
+        informer.start()
+        async with asyncio.timeout(10):
+            await kube.idle.wait()
+            await other
+        await informer.stop()
+
+    asyncio.run(go())
+    assert len(handled) == len(burst)
+    assert len(seen_mid_burst) >= len(burst) // 2  # other work ran between events, not only after all
