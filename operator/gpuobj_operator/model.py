@@ -3,7 +3,9 @@
 Why: the ledger and the decisions work on these, never on raw dicts, so their unit tests build
 them directly and the parsing rules (which field means what) live in one place. The CRD kinds are
 read through the contract's typed shapes (gpuobj_contract.resources, pinned to crds/), never by
-spelling their field names here; pods and metadata are Kubernetes' own and read as they are.
+spelling their field names here; pods and metadata are Kubernetes' own and read as they are. They
+are what the operator keeps of each object, claim, stream and pod (slotted; the API's bodies are not
+kept): at 100,000 objects and claims their size is the operator's memory (docs/scale.md).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from gpuobj_contract.layouts import tensor_bytes
 Key = tuple[str, str]  # (namespace, name)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ContainerRun:
     """One run of a container as the kubelet reports it (times on the node's clock, whole seconds)."""
 
@@ -29,7 +31,7 @@ class ContainerRun:
     finished: dt.datetime | None = None  # None while it runs
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class AgentContainer:
     """What the kubelet says of the container the pod's agent runs in (status.containerStatuses[]):
     its restart count, its current run and the run before (docs/liveness.md)."""
@@ -40,7 +42,7 @@ class AgentContainer:
     last: ContainerRun | None = None  # lastState.terminated
 
 
-@dataclass
+@dataclass(slots=True)
 class PodInfo:
     namespace: str
     name: str
@@ -59,7 +61,7 @@ class PodInfo:
         return self.deleted or self.phase in ("Succeeded", "Failed")
 
 
-@dataclass
+@dataclass(slots=True)
 class ObjectInfo:
     namespace: str
     name: str
@@ -124,7 +126,7 @@ class ObjectInfo:
         return None
 
 
-@dataclass
+@dataclass(slots=True)
 class ClaimInfo:
     namespace: str
     name: str
@@ -150,7 +152,7 @@ class ClaimInfo:
         return (self.namespace, self.object_name)
 
 
-@dataclass
+@dataclass(slots=True)
 class StreamInfo:
     namespace: str
     name: str

@@ -96,3 +96,61 @@ def test_an_error_that_persists_ends_the_informer_with_the_real_error() -> None:
     with pytest.raises(InformerFailed, match="missing RBAC") as failed:
         run(kube, seed=([], "10"), backoff=(0.001, 0.002), give_up_after=0.02)
     assert failed.value.__cause__ is not None and "Forbidden" in str(failed.value.__cause__)
+
+
+def test_an_error_that_persists_for_max_failures_tries_ends_it_before_the_time_limit() -> None:
+    kube = FakeKube([], [OSError("refused")] * 50)
+    with pytest.raises(InformerFailed, match="3 tries"):
+        run(kube, seed=([], "10"), backoff=(0.001, 0.002), give_up_after=600, max_failures=3)
+    assert len([a for a in kube.asked if a[0] == "watch"]) == 3
+
+
+def test_it_remembers_identities_not_bodies_and_reports_a_deletion_with_them() -> None:
+    body = {**pod("a", "11"), "spec": {"containers": [{"name": "big"}]}, "status": {"phase": "Running"}}
+    relisted = {"metadata": {"resourceVersion": "20"}, "items": []}
+    kube = FakeKube([relisted], [[("ADDED", body)], Gone(410, "Gone", "")])
+    gone: list[dict] = []
+
+    async def go() -> None:
+        def handle(kind: str | None, obj: dict) -> None:
+            if kind == "DELETED":
+                gone.append(obj)
+
+        informer = Informer(kube, PODS, handle)  # type: ignore[arg-type]
+        informer.seed([], "10")
+        informer.start()
+        async with asyncio.timeout(10):
+            await kube.idle.wait()
+        await informer.stop()
+
+    asyncio.run(go())
+    assert gone == [{"metadata": {"namespace": "ml", "name": "a", "uid": "u-a"}}]
+
+
+def test_a_buffered_burst_lets_the_loop_run_between_events() -> None:
+    # 500 events that need no wait to read: the lease's renewal must still run during them.
+    burst = [("ADDED", pod(f"p{i}", str(11 + i))) for i in range(500)]
+    kube = FakeKube([], [burst])
+    handled: list[str] = []
+    seen_mid_burst: list[int] = []
+
+    async def go() -> None:
+        informer = Informer(kube, PODS, lambda t, o: handled.append(o["metadata"]["name"]))  # type: ignore[arg-type]
+        informer.seed([], "10")
+
+        async def other_work() -> None:
+            while len(handled) < len(burst):
+                if handled:
+                    seen_mid_burst.append(len(handled))
+                await asyncio.sleep(0)
+
+        other = asyncio.ensure_future(other_work())
+        informer.start()
+        async with asyncio.timeout(10):
+            await kube.idle.wait()
+            await other
+        await informer.stop()
+
+    asyncio.run(go())
+    assert len(handled) == len(burst)
+    assert len(seen_mid_burst) >= len(burst) // 2  # other work ran between events, not only after all
