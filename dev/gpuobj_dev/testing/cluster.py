@@ -47,6 +47,14 @@ class ClusterHandle:
     def kubectl(self, *args: str, **kw) -> subprocess.CompletedProcess:
         return self.run_tool("kubectl", *args, **kw)
 
+    def terminating_namespaces(self) -> list[str]:
+        """Namespaces being deleted: kube-controller-manager's deletions of their contents are writes that a
+        test counting API writes must not see (wait until this is empty first)."""
+        out = self.kubectl(
+            "get", "namespaces", "-o", "jsonpath={.items[?(@.status.phase=='Terminating')].metadata.name}"
+        )
+        return out.stdout.split()
+
     def create_namespace(self, name: str, timeout: str = "120s") -> None:
         """A namespace whose `default` ServiceAccount exists: until kube-controller-manager makes it, the
         API server refuses every pod there that names no ServiceAccount (slow on a loaded machine)."""

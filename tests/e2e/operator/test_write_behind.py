@@ -32,13 +32,6 @@ def held(pods: Pods, name: str, token_file: Path) -> list[str]:
     return [o["id"] for o in agent_http.inventory(pods.endpoint(name), token_file)["objects"]]
 
 
-def _terminating_namespaces(cluster: ClusterHandle) -> list[str]:
-    out = cluster.kubectl(
-        "get", "namespaces", "-o", "jsonpath={.items[?(@.status.phase=='Terminating')].metadata.name}"
-    )
-    return out.stdout.split()
-
-
 def test_an_elided_object_is_visible_while_alive_freed_and_never_recorded(
     gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
 ) -> None:
@@ -46,7 +39,7 @@ def test_an_elided_object_is_visible_while_alive_freed_and_never_recorded(
     # The API server's counters are cluster-wide: let the namespace controller finish emptying earlier
     # tests' namespaces (its LIST and DELETE of gpuobjects/claims) before we count.
     wait_until(
-        lambda: not _terminating_namespaces(gpuobj_cluster), "earlier test namespaces to go", timeout=120, interval=0.2
+        lambda: not gpuobj_cluster.terminating_namespaces(), "earlier test namespaces to go", timeout=120, interval=0.2
     )
     before = request_counts(gpuobj_cluster, {"gpuobjects", "gpuobjectclaims"})
     src.run(f"ref = client.put([{ARANGE.format(n=1 << 16)}], name='short')")

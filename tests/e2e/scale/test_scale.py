@@ -28,6 +28,7 @@ from gpuobj_dev.scale.harness import ScaleHarness
 from gpuobj_dev.scale.kwok import can_route
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.identities import OPERATOR_SA, WORKLOAD_SA, request_token
+from gpuobj_dev.testing.waits import wait_until
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS
 from gpuobj_operator.free_path import is_marker
 
@@ -163,6 +164,8 @@ def test_idle_operator_writes_nothing(run: Run) -> None:
     """Nothing changes, two resyncs decide every record again: not one API write by the operator
     (gpuobj.io, events, pods in apiserver_request_total, as bench/scale.py counts them)."""
     run(_statuses_written(run.h, 180), timeout=240)
+    # Earlier tests' namespaces being emptied by kube-controller-manager write gpuobjects, events and pods.
+    wait_until(lambda: not run.handle.terminating_namespaces(), "earlier test namespaces to go", timeout=180)
     idle = run(scenarios.idle(run.h, IDLE_WINDOW_S, run.h.log), timeout=IDLE_WINDOW_S + 60)
     assert idle.operator_writes_per_min == 0, f"writes per minute while idle: {idle.writes_by_resource}"
 
