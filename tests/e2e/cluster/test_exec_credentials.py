@@ -35,7 +35,7 @@ def namespace(gpuobj_cluster: ClusterHandle) -> Iterator[str]:
 
 
 def _operator_identity(cluster: ClusterHandle, namespace: str) -> str:
-    """A ServiceAccount bound to the operator's ClusterRole and leader-election Role from deploy/ (not admin)."""
+    """A ServiceAccount bound to the operator's ClusterRole, lease and agent-CA Roles from deploy/ (not admin)."""
     sa = "gpuobj-operator"
     cluster.kubectl("create", "serviceaccount", sa, "-n", namespace)
     docs = [d for d in yaml.safe_load_all(OPERATOR_RBAC.read_text()) if d]
@@ -43,13 +43,19 @@ def _operator_identity(cluster: ClusterHandle, namespace: str) -> str:
     role["metadata"]["name"] = f"gpuobj-operator-{namespace}"
     lease_role = next(d for d in docs if d["kind"] == "Role")
     lease_role["metadata"]["namespace"] = namespace
-    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([role, lease_role]))
+    ca_role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "gpuobj-operator-agent-ca")
+    ca_role["metadata"]["namespace"] = namespace  # the agent CA's Secret (the operator is the agents' signer)
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([role, lease_role, ca_role]))
     cluster.kubectl(
         "create", "clusterrolebinding", role["metadata"]["name"], f"--clusterrole={role['metadata']['name']}",
         f"--serviceaccount={namespace}:{sa}",
     )  # fmt: skip
     cluster.kubectl(
         "create", "rolebinding", "lease", "-n", namespace, f"--role={lease_role['metadata']['name']}",
+        f"--serviceaccount={namespace}:{sa}",
+    )  # fmt: skip
+    cluster.kubectl(
+        "create", "rolebinding", "agent-ca", "-n", namespace, f"--role={ca_role['metadata']['name']}",
         f"--serviceaccount={namespace}:{sa}",
     )  # fmt: skip
     return cluster.kubectl("create", "token", sa, "-n", namespace, "--duration", "20m").stdout.strip()
