@@ -19,8 +19,7 @@ from gpuobj.client.errors import StreamClosedError
 from gpuobj.client.handles import ObjectAddress
 from gpuobj_contract import names
 from gpuobj_contract import resources as crd
-from gpuobj_kube.client import GPUOBJECTS, STREAMS, Resource, wait_for
-from gpuobj_kube.informer import Informer, InformerFailed, identity
+from gpuobj_kube.client import GPUOBJECTS, STREAMS, Gone, Resource, wait_for
 
 if TYPE_CHECKING:
     from gpuobj.client.core import ClientCore
@@ -84,27 +83,37 @@ class StreamReader:
         self.device = device
         self.item_timeout = item_timeout
         self.position: int | None = None
+        self.watch_failures = 0  # watch errors other than 410 seen (each retried), for observability
 
-    @property
-    def watch_failures(self) -> int:
-        """Watch errors other than 410 seen (each retried), for observability."""
-        return sum(informer.failures_total for informer in getattr(self, "_informers", []))
-
-    def _informer(self, res: Resource, on_event: Callable[[dict, bool], None], **selector: str) -> Informer:
-        """The project's list-then-watch (gpuobj_kube.informer) feeding ``on_event(obj, deleted)``: a 410
-        lists again at once, any other error is retried with backoff and, once it persists
-        (WATCH_ATTEMPTS in a row), ends the informer with it as the cause."""
-        return Informer(
-            self.core.kube,
-            res,
-            lambda kind, obj: on_event(obj, kind == "DELETED"),
-            namespace=self.core.namespace,
-            keep=lambda obj: identity(obj, ("stream",)),
-            watch_timeout=60,
-            backoff=(WATCH_BACKOFF_START, WATCH_BACKOFF_MAX),
-            max_failures=WATCH_ATTEMPTS,
-            **selector,  # type: ignore[arg-type]
-        )
+    async def _follow(self, res: Resource, selector: dict[str, str], on_event: Callable[[dict, bool], None]) -> None:
+        """List then watch, feeding ``on_event(obj, deleted)``: relist at once when the version is too old
+        (410), retry any other error with backoff, and raise it when it persists (WATCH_ATTEMPTS in a row)."""
+        kube, ns = self.core.kube, self.core.namespace
+        failures = 0
+        while True:
+            try:
+                listed = await kube.list(res, ns, **selector)
+                for obj in listed["items"]:
+                    on_event(obj, False)
+                rv = listed["metadata"]["resourceVersion"]
+                failures = 0
+                while True:
+                    async for kind, obj in kube.watch(res, ns, resource_version=rv, timeout_seconds=60, **selector):
+                        rv = obj["metadata"].get("resourceVersion", rv)
+                        failures = 0
+                        if kind != "BOOKMARK":
+                            on_event(obj, kind == "DELETED")
+            except Gone:
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # refused, cut, timed out, 5xx, 403: maybe passing, else the real error
+                failures += 1
+                self.watch_failures += 1
+                if failures >= WATCH_ATTEMPTS:
+                    raise
+                log.debug("stream %s: watching %s failed (%s), retrying", self.name, res.plural, exc)
+                await asyncio.sleep(min(WATCH_BACKOFF_START * 2 ** (failures - 1), WATCH_BACKOFF_MAX))
 
     def _start_watches(self) -> None:
         """One watch on the stream's items and one on the stream, for the whole read: no request per item."""
@@ -114,9 +123,8 @@ class StreamReader:
         self._changed = asyncio.Event()
 
         def on_item(obj: dict, deleted: bool) -> None:
-            # Only spec.stream: a deletion found by a relist reports the identity the informer kept.
-            item = (obj.get("spec") or {}).get("stream")
-            index = crd.StreamItem.from_json(item).index if item else -1
+            item = crd.GPUObjectSpec.from_json(obj.get("spec")).stream
+            index = item.index if item is not None else -1
             if deleted or obj["metadata"].get("deletionTimestamp"):
                 self._items.pop(index, None)
             else:
@@ -130,13 +138,12 @@ class StreamReader:
             self._end = int(end) if end is not None else None
             self._changed.set()
 
-        self._informers = [
-            self._informer(GPUOBJECTS, on_item, label_selector=f"{names.LABEL_STREAM}={self.name}"),
-            self._informer(STREAMS, on_stream, field_selector=f"metadata.name={self.name}"),
+        self._watches = [
+            asyncio.create_task(
+                self._follow(GPUOBJECTS, {"label_selector": f"{names.LABEL_STREAM}={self.name}"}, on_item)
+            ),
+            asyncio.create_task(self._follow(STREAMS, {"field_selector": f"metadata.name={self.name}"}, on_stream)),
         ]
-        for informer in self._informers:
-            informer.start()
-        self._watches = [informer.task for informer in self._informers if informer.task is not None]
         for task in self._watches:  # a watch that gave up wakes the reader, which raises its error
             task.add_done_callback(lambda _: self._changed.set())
 
@@ -153,8 +160,7 @@ class StreamReader:
             while True:
                 for task in self._watches:
                     if task.done() and not task.cancelled() and (error := task.exception()) is not None:
-                        # The real error (a 403, the API server unreachable), not the informer's wrapper.
-                        raise error.__cause__ if isinstance(error, InformerFailed) and error.__cause__ else error
+                        raise error
                 if index in self._items:
                     return self._items.pop(index), False
                 if self._gone:

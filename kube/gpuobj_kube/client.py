@@ -233,37 +233,10 @@ class KubeClient:
         ``not_older_than``: a resourceVersion; the API server may answer from its watch cache once
         that cache has reached it (no quorum read from etcd), and never from an older state.
         ``exact``: the state at exactly that resourceVersion (Gone once etcd compacted it away)."""
-        items: list[dict[str, Any]] = []
-        last: dict[str, Any] = {}
-        async for last in self.list_pages(
-            res,
-            namespace,
-            label_selector=label_selector,
-            field_selector=field_selector,
-            limit=limit,
-            not_older_than=not_older_than,
-            exact=exact,
-        ):
-            items.extend(last.get("items", []))
-        last["items"] = items
-        return last
-
-    async def list_pages(
-        self,
-        res: Resource,
-        namespace: str | None = None,
-        *,
-        label_selector: str | None = None,
-        field_selector: str | None = None,
-        limit: int | None = None,
-        not_older_than: str | None = None,
-        exact: str | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
-        """The pages of one list, as they come (every page is of the same snapshot, so each carries its
-        resourceVersion): a caller that keeps less than the bodies never holds a whole large list."""
         if not_older_than and exact:
             raise ValueError("list: not_older_than and exact exclude each other")
         version, match = (exact, "Exact") if exact else (not_older_than, "NotOlderThan" if not_older_than else None)
+        items: list[dict[str, Any]] = []
         cont: str | None = None
         while True:
             page = await self.request(
@@ -278,10 +251,11 @@ class KubeClient:
                     "resourceVersionMatch": match if cont is None else None,
                 },
             )
+            items.extend(page.get("items", []))
             cont = page.get("metadata", {}).get("continue")
-            yield page
             if not cont:
-                return
+                page["items"] = items
+                return page
 
     async def create(
         self, res: Resource, body: dict[str, Any], namespace: str | None = None, *, subresource: str | None = None

@@ -1,24 +1,18 @@
 """List-then-watch of one resource, handled strictly in order: the one informer of the project.
 
-Every watch in the repository goes through it: the operator's pods, claims, GPUObjects and streams,
-and the client's stream reader. Why its own and not kopf's: kopf filters labels on the client, so it
-would stream every pod of the cluster (agent pods carry `gpuobj.io/agent=true`, and the API server
-filters on that); kopf hands each event to a per-object worker (one task and queue per object: 100,000
-of them at 100,000 objects), so having seen version N says nothing about the events before N. Here
-the handler runs on the event loop for each event in the order the watch delivers them
+Why its own and not kopf's for pods and claims: kopf filters labels on the client, so it would stream
+every pod of the cluster (agent pods carry `gpuobj.io/agent=true`, and the API server filters on that);
+and kopf hands each event to a per-object worker, so having seen version N says nothing about the
+events before N. Here the handler runs for each event in the order the watch delivers them
 (resourceVersion order), and only then is ``on_progress`` told: everything up to it was applied (the
 operator's claims watermark, claimcheck.py).
-
-Memory: it remembers of each object only what ``keep`` returns (its identity by default, see
-``identity``), never the whole body: enough to report it DELETED after a relist.
 
 Seeded from an earlier list (``seed``: what the caller listed and at which version), it watches from
 that version, so nothing that happened after that list is missed (client-go's list-then-watch: a pod
 deleted between the caller's list and this informer's start arrives as DELETED). A 410 lists again and
 reports what went meanwhile as DELETED. Any other error is retried with backoff; one that persists for
-``give_up_after`` seconds (or ``max_failures`` tries in a row) ends the informer with that error
-(InformerFailed, the error as its ``__cause__``), so the caller sees the real cause (a 403 from missing
-RBAC, say), never a silent stall.
+``give_up_after`` seconds ends the informer with that error (InformerFailed), so the caller sees the
+real cause (a 403 from missing RBAC, say), never a silent stall.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import aiohttp
@@ -38,7 +32,6 @@ log = logging.getLogger("gpuobj.informer")
 JSON = dict[str, Any]
 Handler = Callable[[str | None, JSON], None]
 ObjectKey = tuple[str, str]
-IDENTITY = ("namespace", "name", "uid")
 
 
 class InformerFailed(Exception):
@@ -47,17 +40,6 @@ class InformerFailed(Exception):
 
 def _key(obj: JSON) -> ObjectKey:
     return (obj["metadata"].get("namespace", ""), obj["metadata"]["name"])
-
-
-def identity(obj: Mapping[str, Any], spec_fields: tuple[str, ...] = ()) -> JSON:
-    """What an informer keeps of an object to report its deletion: metadata namespace, name and uid, and
-    the named fields of its spec (a claim's objectName, a stream item's stream)."""
-    meta = obj["metadata"]
-    kept: JSON = {"metadata": {k: meta[k] for k in IDENTITY if k in meta}}
-    spec = obj.get("spec") or {}
-    if picked := {k: spec[k] for k in spec_fields if k in spec}:
-        kept["spec"] = picked
-    return kept
 
 
 class Informer:
@@ -69,40 +51,33 @@ class Informer:
         *,
         namespace: str | None = None,
         label_selector: str | None = None,
-        field_selector: str | None = None,
         on_progress: Callable[[str], None] | None = None,
-        keep: Callable[[JSON], JSON] = identity,
         watch_timeout: int = 240,
         backoff: tuple[float, float] = (0.25, 5.0),
         give_up_after: float = 60.0,
-        max_failures: int | None = None,
     ) -> None:
         self.kube = kube
         self.resource = resource
         self.handler = handler
         self.namespace = namespace
         self.label_selector = label_selector
-        self.field_selector = field_selector
-        self.keep = keep
         self.on_progress = on_progress or (lambda rv: None)
         self.watch_timeout = watch_timeout
         self.backoff = backoff
         self.give_up_after = give_up_after
-        self.max_failures = max_failures
         self._known: dict[ObjectKey, JSON] = {}
         self._resume_at: str | None = None
         self._task: asyncio.Task[None] | None = None
         self.failing_since: float | None = None  # monotonic start of the current run of errors
         self.last_error: BaseException | None = None
         self._failures = 0  # errors in the current run
-        self.failures_total = 0  # every error retried (410s excluded), for observability
 
     def seed(self, objs: Iterable[JSON], resource_version: str | None = None) -> None:
         """What the handler already knows from an earlier list (the caller's sync), listed at
         ``resource_version``: the informer watches from there (no list of its own), or, without a
         version, lists first and reports whichever of them went meanwhile as DELETED."""
         for obj in objs:
-            self._known[_key(obj)] = self.keep(obj)
+            self._known[_key(obj)] = obj
         self._resume_at = resource_version
 
     @property
@@ -123,12 +98,10 @@ class Informer:
             self._task = None
 
     async def _relist(self) -> str:
-        listed = await self.kube.list(
-            self.resource, self.namespace, label_selector=self.label_selector, field_selector=self.field_selector
-        )
+        listed = await self.kube.list(self.resource, self.namespace, label_selector=self.label_selector)
         seen: dict[ObjectKey, JSON] = {}
         for obj in listed["items"]:
-            seen[_key(obj)] = self.keep(obj)
+            seen[_key(obj)] = obj
             self.handler(None, obj)
         for key, obj in self._known.items():
             if key not in seen:  # deleted while we were not watching
@@ -144,13 +117,10 @@ class Informer:
         if self.failing_since is None:
             self.failing_since, self._failures = now, 0
         self._failures += 1
-        self.failures_total += 1
         self.last_error = exc
-        persisted = self.max_failures is not None and self._failures >= self.max_failures
-        if persisted or now - self.failing_since >= self.give_up_after:
+        if now - self.failing_since >= self.give_up_after:
             raise InformerFailed(
-                f"watch of {self.resource.plural} failing for {now - self.failing_since:.0f}s"
-                f" ({self._failures} tries): {exc}"
+                f"watch of {self.resource.plural} failing for {now - self.failing_since:.0f}s: {exc}"
             ) from exc
         first, cap = self.backoff
         delay: float = min(cap, first * 2.0 ** (self._failures - 1))
@@ -175,7 +145,6 @@ class Informer:
                     self.namespace,
                     resource_version=rv,
                     label_selector=self.label_selector,
-                    field_selector=self.field_selector,
                     timeout_seconds=self.watch_timeout,
                 ):
                     self._recovered()
@@ -184,13 +153,10 @@ class Informer:
                         if kind == "DELETED":
                             self._known.pop(_key(obj), None)
                         else:
-                            self._known[_key(obj)] = self.keep(obj)
+                            self._known[_key(obj)] = obj
                     # Only once handled: a handler that fails makes us list again (below), never skip.
                     rv = obj["metadata"].get("resourceVersion", rv)
                     self.on_progress(rv)
-                    # A burst arrives buffered, and reading a buffered line does not suspend: let the
-                    # loop run between events (the leader lease's renewal, the workers), not after all.
-                    await asyncio.sleep(0)
             except Gone:
                 rv = None  # too old: list again (what went meanwhile is reported DELETED)
             except asyncio.CancelledError:

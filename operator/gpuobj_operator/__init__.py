@@ -1,1 +1,1 @@
-"""gpuobj operator: the cluster-wide reference counter for GPU objects (in-order informers, a Lease)."""
+"""gpuobj operator: the cluster-wide reference counter for GPU objects (kopf)."""

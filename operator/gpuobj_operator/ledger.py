@@ -1,7 +1,7 @@
 """The reference ledger: what references what. Pure Python state, its indexes and queries.
 
 Why: this is the heart of gpuobj, a cluster-wide reference counter. It knows
-nothing of HTTP or watches: the reconciler feeds it API objects, the decisions
+nothing of HTTP or kopf: the reconciler feeds it API objects, the decisions
 (decisions.py) read it, so every rule is unit-tested without a server (kueue's
 cache/snapshot habit). Each update returns the keys whose decision may change.
 """
@@ -130,8 +130,8 @@ class Ledger:
         self.learned_at.pop(obj.uid, None)
         self.ref_gone_at.pop(obj.key, None)
         dirty = {("claim", c) for c in self._claims_by_object.get(obj.key, ())}
-        if current.stream:  # the ledger's record: a deletion may report only the object's identity
-            dirty.add(("stream", (current.namespace, current.stream[0])))
+        if obj.stream:
+            dirty.add(("stream", (obj.namespace, obj.stream[0])))
         return dirty
 
     def _index_object(self, obj: ObjectInfo) -> None:

@@ -3,9 +3,7 @@
 Why: the ledger and the decisions work on these, never on raw dicts, so their unit tests build
 them directly and the parsing rules (which field means what) live in one place. The CRD kinds are
 read through the contract's typed shapes (gpuobj_contract.resources, pinned to crds/), never by
-spelling their field names here; pods and metadata are Kubernetes' own and read as they are. They
-are what the operator keeps of each object, claim, stream and pod (slotted; the API's bodies are not
-kept): at 100,000 objects and claims their size is the operator's memory (docs/scale.md).
+spelling their field names here; pods and metadata are Kubernetes' own and read as they are.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from gpuobj_contract.layouts import tensor_bytes
 Key = tuple[str, str]  # (namespace, name)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class ContainerRun:
     """One run of a container as the kubelet reports it (times on the node's clock, whole seconds)."""
 
@@ -31,7 +29,7 @@ class ContainerRun:
     finished: dt.datetime | None = None  # None while it runs
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class AgentContainer:
     """What the kubelet says of the container the pod's agent runs in (status.containerStatuses[]):
     its restart count, its current run and the run before (docs/liveness.md)."""
@@ -42,7 +40,7 @@ class AgentContainer:
     last: ContainerRun | None = None  # lastState.terminated
 
 
-@dataclass(slots=True)
+@dataclass
 class PodInfo:
     namespace: str
     name: str
@@ -61,7 +59,7 @@ class PodInfo:
         return self.deleted or self.phase in ("Succeeded", "Failed")
 
 
-@dataclass(slots=True)
+@dataclass
 class ObjectInfo:
     namespace: str
     name: str
@@ -126,7 +124,7 @@ class ObjectInfo:
         return None
 
 
-@dataclass(slots=True)
+@dataclass
 class ClaimInfo:
     namespace: str
     name: str
@@ -152,7 +150,7 @@ class ClaimInfo:
         return (self.namespace, self.object_name)
 
 
-@dataclass(slots=True)
+@dataclass
 class StreamInfo:
     namespace: str
     name: str

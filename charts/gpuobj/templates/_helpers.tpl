@@ -89,9 +89,9 @@ gpuobj-claims-progress
 
 {{/*
 The operator's rules on workload objects: derived from operator/gpuobj_operator (reconciler.py,
-informer.py, events.py, main.py). Watches and lists (the informers), reads, finalizer and
+informer.py, events.py, main.py). Watches and lists (kopf and the pod informer), reads, finalizer and
 ownerReference patches, status patches, deletes of objects and claims it settles, Events it posts.
-Nothing on Secrets, CRDs or namespaces (the operator watches only its four kinds).
+Nothing on Secrets, CRDs or namespaces (kopf runs standalone with scanning disabled).
 */}}
 {{- define "gpuobj.operator.rules" -}}
 - apiGroups: [gpuobj.io]

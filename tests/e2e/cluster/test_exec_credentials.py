@@ -120,7 +120,7 @@ def test_exec_plugin_kubeconfig_works_for_the_client_and_the_operator(
     ).start()
     try:
         op.wait_ready(timeout=90)
-        # The GPUObject watch runs on the same credentials: a GPUObject naming a pod that does not exist
+        # kopf's own watch runs on the same credentials: a GPUObject naming a pod that does not exist
         # gets a status written by the operator.
         obj = {
             "apiVersion": names.API_VERSION,

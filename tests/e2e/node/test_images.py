@@ -64,7 +64,7 @@ def test_operator_image_has_no_data_plane_and_no_pip(operator_image: str) -> Non
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == (
         '{"torch": false, "nixl": false, "numpy": false, "cryptography": true, "pip": false, '
-        '"kopf": false, "gpuobj_operator": true, "gpuobj_dev": false}'
+        '"kopf": true, "gpuobj_operator": true, "gpuobj_dev": false}'
     )
 
 

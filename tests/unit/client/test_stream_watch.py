@@ -1,5 +1,4 @@
-"""The stream reader's list-then-watch (the project's one informer, gpuobj_kube.informer): 410 relists at
-once, other errors are retried, then raised as themselves.
+"""The stream reader's list-then-watch loop: 410 relists at once, other errors are retried, then raised.
 
 A scripted stand-in for the API server (pure logic); tests/e2e/operator/test_client_refusals.py
 runs the same loop against the real API server behind a proxy taken down and brought back.
@@ -52,12 +51,11 @@ def test_errors_other_than_410_are_retried_with_backoff_and_410_relists_at_once(
             if obj["metadata"]["name"] == "s-1":
                 second.set()
 
-        informer = r._informer(GPUOBJECTS, on_event)
-        r._informers = [informer]
-        informer.start()
+        task = asyncio.create_task(r._follow(GPUOBJECTS, {}, on_event))
         async with asyncio.timeout(10):
             await second.wait()
-        await informer.stop()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
         assert kube.lists == 4 and r.watch_failures == 2 and seen == ["s-0", "s-1"]  # the 410 is not a failure
 
     asyncio.run(go())
@@ -68,63 +66,11 @@ def test_an_error_that_persists_is_raised_as_itself(monkeypatch) -> None:
 
     async def go() -> None:
         forbidden = ApiError(403, "Forbidden", "cannot list gpuobjects")
-        kube = ScriptedKube([forbidden] * 100)  # both of its watches refused, until it gives up
+        kube = ScriptedKube([forbidden] * streams.WATCH_ATTEMPTS)
         r = reader(kube)
-        r.item_timeout = 10
-        r._start_watches()
         with pytest.raises(ApiError) as caught:
-            await r._next_item(0)  # what the reader's loop waits on: it raises the watch's own error
-        await r._stop_watches()
-        assert caught.value is forbidden and kube.lists >= streams.WATCH_ATTEMPTS
-
-    asyncio.run(go())
-
-
-def item(index: int, rv: str) -> dict:
-    return {
-        "metadata": {"namespace": "ns", "name": f"s-{index}", "uid": f"u-{index}", "resourceVersion": rv},
-        "spec": {
-            "source": {"podName": "producer"},
-            "tensors": [{"shape": [4], "dtype": "float32"}],
-            "stream": {"name": "s", "index": index},
-        },
-    }
-
-
-class RelistingKube:
-    """Items: lists item 0, the watch expires (410), the relist shows it gone. The stream: listed, quiet."""
-
-    def __init__(self) -> None:
-        self.item_lists = [[item(0, "5")], []]
-        self.relisted = asyncio.Event()
-
-    async def list(self, res, namespace, **selector):
-        if res is not GPUOBJECTS:
-            return {"items": [], "metadata": {"resourceVersion": "5"}}
-        items = self.item_lists.pop(0) if self.item_lists else []
-        if not self.item_lists:
-            self.relisted.set()
-        return {"items": items, "metadata": {"resourceVersion": "6"}}
-
-    async def watch(self, res, namespace, **kwargs):
-        if res is GPUOBJECTS and self.item_lists:
-            raise Gone(410, "Expired", "too old")
-        await asyncio.Event().wait()
-        yield  # pragma: no cover (an async generator that stays quiet)
-
-
-def test_an_item_gone_while_the_watch_was_expired_leaves_the_reader_by_its_identity() -> None:
-    async def go() -> None:
-        kube = RelistingKube()
-        r = reader(kube)  # type: ignore[arg-type]
-        r._start_watches()
-        async with asyncio.timeout(10):
-            await kube.relisted.wait()
-            while 0 in r._items:  # until the relist's DELETED is handled
-                r._changed.clear()
-                await r._changed.wait()
-        failed = [t for t in r._watches if t.done()]
-        await r._stop_watches()
-        assert r._items == {} and failed == [] and r.watch_failures == 0
+            async with asyncio.timeout(10):
+                await r._follow(GPUOBJECTS, {}, lambda obj, deleted: None)
+        assert caught.value is forbidden and kube.lists == streams.WATCH_ATTEMPTS
 
     asyncio.run(go())

@@ -59,9 +59,6 @@ class FakeApi:
             items = [o for o in items if o["spec"].get("objectName") == wanted]
         return {"metadata": {"resourceVersion": str(self.rv)}, "items": copy.deepcopy(items)}
 
-    async def list_pages(self, res, namespace=None, **kw):
-        yield await self.list(res, namespace, **kw)
-
     async def patch(self, res, name, body, namespace=None, *, patch_type="merge", subresource=None, **_):
         self.calls.append(("patch", res.plural, subresource or patch_type))
         current = self.store.get((res.plural, namespace, name))
