@@ -321,6 +321,11 @@ def rbac_release(gpuobj_cluster: ClusterHandle, _deleted_namespaces: list[str]) 
             "operator_rules": yaml.safe_dump(one(docs, "ClusterRole", f"{release}-gpuobj-operator")["rules"]),
             "lease_rules": yaml.safe_dump(one(docs, "Role", f"{release}-gpuobj-operator-leader-election")["rules"]),
             "marker_rules": yaml.safe_dump(one(docs, "Role", f"{release}-gpuobj-operator-progress-marker")["rules"]),
+            "signer_rules": yaml.safe_dump(
+                one(docs, "ClusterRole", f"{release}-gpuobj-operator-agent-signer")["rules"]
+            ),
+            "ca_rules": yaml.safe_dump(one(docs, "Role", f"{release}-gpuobj-operator-agent-ca")["rules"]),
+            "ca_secret": one(docs, "Role", f"{release}-gpuobj-operator-agent-ca")["rules"][1]["resourceNames"][0],
             "workload_rules": yaml.safe_dump(one(docs, "ClusterRole", f"{release}-gpuobj-workload")["rules"]),
         }
         gpuobj_cluster.helm("uninstall", release, "-n", ns)
@@ -366,6 +371,8 @@ def test_operator_service_account_has_exactly_the_rules_the_operator_uses(
     cluster_rules = rules_from_manifest(yaml.safe_load(r["operator_rules"]))
     lease_rules = rules_from_manifest(yaml.safe_load(r["lease_rules"]))
     marker_rules = rules_from_manifest(yaml.safe_load(r["marker_rules"]))
+    signer_rules = rules_from_manifest(yaml.safe_load(r["signer_rules"]))
+    ca_rules = rules_from_manifest(yaml.safe_load(r["ca_rules"]))
     assert cluster_rules == {
         ("gpuobjects.gpuobj.io", (), frozenset({"get", "list", "watch", "patch", "delete", "free"})),
         ("gpuobjectclaims.gpuobj.io", (), frozenset({"get", "list", "watch", "patch", "delete", "free"})),
@@ -383,11 +390,21 @@ def test_operator_service_account_has_exactly_the_rules_the_operator_uses(
     # In its own namespace: the workload rules and its Lease; anywhere else: the workload rules only.
     # The progress marker: create of claims where it lives (admission allows that one claim only).
     assert marker_rules == {("gpuobjectclaims.gpuobj.io", (), frozenset({"create"}))}
+    # The agents' signer (cluster-scoped CSRs, its own signer name only) and its CA's Secret, by name.
+    assert signer_rules == {
+        ("certificatesigningrequests.certificates.k8s.io", (), frozenset({"get", "list", "watch"})),
+        ("certificatesigningrequests.certificates.k8s.io/approval", (), frozenset({"update"})),
+        ("certificatesigningrequests.certificates.k8s.io/status", (), frozenset({"update"})),
+        ("signers.certificates.k8s.io", ("gpuobj.io/agent-serving",), frozenset({"approve", "sign"})),
+    }
+    assert ca_rules == {("secrets", (), frozenset({"create"})), ("secrets", (r["ca_secret"],), frozenset({"get"}))}
     # kubectl may list a resource's rules from two roles as one line: compare verbs per resource.
     assert _merged(_granted(gpuobj_cluster, r["operator"], r["ns"], r["nobody"])) == _merged(
-        cluster_rules | lease_rules | marker_rules
+        cluster_rules | lease_rules | marker_rules | signer_rules | ca_rules
     )
-    assert _granted(gpuobj_cluster, r["operator"], r["workload_ns"], r["nobody"]) == cluster_rules
+    assert _merged(_granted(gpuobj_cluster, r["operator"], r["workload_ns"], r["nobody"])) == _merged(
+        cluster_rules | signer_rules
+    )
 
 
 @pytest.mark.parametrize(
@@ -465,8 +482,12 @@ def test_workload_service_account_has_exactly_what_the_client_library_uses(
         ("gpuobjectstreams.gpuobj.io/status", (), frozenset({"patch"})),
         ("pods", (), frozenset({"get"})),
     }
-    # Plus TokenReview (cluster-scoped, so in every namespace): its agent learns revoked tokens (docs/security.md).
-    reviews = {("tokenreviews.authentication.k8s.io", (), frozenset({"create"}))}
+    # Plus TokenReview (cluster-scoped, so in every namespace): its agent learns revoked tokens, and CSRs: it
+    # asks the operator's signer for a serving certificate with the pod's own token (docs/security.md).
+    reviews = {
+        ("tokenreviews.authentication.k8s.io", (), frozenset({"create"})),
+        ("certificatesigningrequests.certificates.k8s.io", (), frozenset({"create", "get", "watch"})),
+    }
     assert _granted(gpuobj_cluster, r["workload"], r["workload_ns"], r["nobody"]) == workload_rules | reviews
     # Bound in its own namespace only.
     assert _granted(gpuobj_cluster, r["workload"], r["ns"], r["nobody"]) == reviews
@@ -521,7 +542,8 @@ def test_the_operator_runs_on_the_charts_rbac_alone(
     example = str(DEPLOY / "examples" / "gpuobject.yaml")
     op = OperatorProcess(
         kubeconfig, agent_token, identity="rbac-check", lease_namespace=r["ns"],
-        extra_args=["--namespace", r["workload_ns"], "--lease-name", r["lease"], "--resync-interval", "2"],
+        extra_args=["--namespace", r["workload_ns"], "--lease-name", r["lease"], "--resync-interval", "2",
+                    "--agent-ca-secret", r["ca_secret"]],  # as the chart's Deployment passes them
     )  # fmt: skip
     op.start()
     try:
