@@ -76,7 +76,12 @@ class ClusterWideOperator:
             self.creds.agent_token,
             identity="op-quota",
             lease_namespace=self.namespace,
-            extra_args=[*FAST_ARGS, "--lease-name", f"{self.release}-operator", *extra],
+            extra_args=[
+                *FAST_ARGS,
+                *("--lease-name", f"{self.release}-operator"),
+                *("--agent-ca-secret", f"{self.release}-agent-ca"),  # the chart's name, as its Deployment passes it
+                *extra,
+            ],
         ).start()
 
     def close(self) -> None:
