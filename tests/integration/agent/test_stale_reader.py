@@ -13,6 +13,7 @@ it learns of the fence while polling that read, and every read after it fails.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -233,3 +234,64 @@ def test_a_replay_after_the_free_reads_that_object_until_the_fence_and_never_a_l
     finally:
         reader.close()
     settle(src.stats)
+
+
+def _weights(value: float) -> dict[str, torch.Tensor]:
+    """A one-tensor state dict of 64 KiB, every element `value`: a version a reader can tell apart."""
+    return {"w": torch.full((16384,), value, dtype=torch.float32)}
+
+
+def _sha(sd: dict[str, torch.Tensor]) -> str:
+    return hashlib.sha256(sd["w"].reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("transport", ["default", "tcp"])
+@pytest.mark.parametrize("kind", ["grant", "ticket"])
+def test_a_replayed_read_of_a_pooled_version_never_returns_the_next_version_in_its_buffer(
+    make_runtime, monkeypatch, transport, kind
+):
+    """Issue 21 (item 5), pooled state dicts: a raw reader that kept version 1's grant (or ticket) replays it
+    after version 1 was freed and version 2 was copied into the same pack buffer. It may get version 1's
+    bytes or a NIXL error, never version 2's (before: version 2's bytes, the pack region stayed registered
+    under the key version 1's reader was given)."""
+    from .test_weight_sync import Publisher
+
+    for name, value in TRANSPORTS[transport].items():
+        monkeypatch.setenv(name, value)
+    if transport == "default":
+        monkeypatch.delenv("UCX_TLS", raising=False)
+    src = make_runtime("src")
+    pub = Publisher(src)
+    reader = RawReader(f"pooled-{kind}-{transport}", TRANSPORTS[transport], "thread")
+    try:
+        v1, v2 = _weights(1.0), _weights(2.0)
+        pub.publish("v1", v1)
+        if kind == "grant":
+            old = asyncio.run(src.agrant("v1"))
+        else:
+            old = src._call(src.agent.store.begin_read("v1", "raw"), 30)
+        assert reader.call(op="load", metadata=old["agentMetadata"])["ok"]
+        replay = {"op": "read", "agent": old["nixlAgent"], "descriptors": old["descriptors"], "nbytes": old["bytes"]}
+        assert reader.call(**replay) == {"ok": True, "sha256": _sha(v1)}
+        if kind == "ticket":
+            assert src._call(src.agent.store.end_read(old["readId"]), 30)["valid"]
+
+        assert src.free("v1")["freed"]  # the last reference went: the operator's free
+        pub.publish("v2", v2)
+        assert pub.pool.stats()["reused"] == 1  # version 2 is in version 1's buffer
+        new = asyncio.run(src.agrant("v2"))
+        assert new["spans"] == old["spans"]  # the same bytes of the same buffer
+
+        for _ in range(3):  # replays after the reuse: version 1's bytes or an error, never version 2's
+            got = reader.call(**replay)
+            assert got.get("sha256") != _sha(v2), "a replay of version 1's read returned version 2's bytes"
+            assert got == {"ok": True, "sha256": _sha(v1)} or "NIXL_ERR" in got.get("error", ""), got
+
+        # Version 2's own grant reads version 2.
+        assert reader.call(op="load", metadata=new["agentMetadata"])["ok"]
+        fresh = {"op": "read", "agent": new["nixlAgent"], "descriptors": new["descriptors"], "nbytes": new["bytes"]}
+        assert reader.call(**fresh) == {"ok": True, "sha256": _sha(v2)}
+        assert src.free("v2")["freed"]
+    finally:
+        reader.close()
+    assert pub.pool.stats()["busyBytes"] == 0
