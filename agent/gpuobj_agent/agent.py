@@ -285,5 +285,6 @@ class Agent:
             "quarantinedBytes": nixl.quarantine.bytes,
             "generations": len(nixl.gens),
             "rotations": nixl.gens.retired_count,
+            "pooledFences": nixl.gens.private_retired,
             "cachedRemoteAgents": self.fetcher.cached_agents if self.fetcher else 0,
         }

@@ -137,6 +137,12 @@ class Fencer:
         self._spare_task: asyncio.Task | None = None
         self._spare_failed_at: float | None = None
         self._stopping = False
+        # Private agents for pooled regions (store.py): one kept ready, so a put of a version that needs
+        # one rarely waits for its creation.
+        self._private_spare: Generation | None = None
+        self._private_task: asyncio.Task | None = None
+        nixl.new_private = self.new_private
+        nixl.destroy = self._destroy
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -162,15 +168,17 @@ class Fencer:
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._task
             self._task = None
-        if self._spare_task is not None:
-            self._spare_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._spare_task
+        for task in (self._spare_task, self._private_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self.nixl.stopping()
         gens = self.nixl.gens.live()
-        if self._spare is not None:
-            gens.append(self._spare)
-            self._spare = None
+        for spare in (self._spare, self._private_spare):
+            if spare is not None:
+                gens.append(spare)
+        self._spare = self._private_spare = None
         await self.nixl.barrier()  # nothing of ours still runs on the control thread
         for gen in gens:
             parked = self.nixl.ledger.parked(gen.gid) if gen.gid in self.nixl.ledger.generations() else []
@@ -199,6 +207,34 @@ class Fencer:
             self.metrics.error("nixl_agent_create")
             self._spare_failed_at = self._clock()
         self.nixl.poke()
+
+    async def new_private(self) -> Generation:
+        """A fresh NIXL agent for one pooled region: the ready one if there is one, else made now."""
+        if self._stopping:
+            raise TransportError("agent stopping")
+        spare, self._private_spare = self._private_spare, None
+        if spare is None:
+            task = self._private_task
+            if task is not None and not task.done():
+                await asyncio.shield(task)  # one is being made: take it rather than make a second
+                spare, self._private_spare = self._private_spare, None
+            if spare is None:
+                spare = await self._create()
+        if not self._stopping and (self._private_task is None or self._private_task.done()):
+            self._private_task = asyncio.create_task(self._make_private(), name="gpuobj-private-nixl-agent")
+        return spare
+
+    async def _make_private(self) -> None:
+        try:
+            gen = await self._create()
+        except TransportError as exc:  # the next put makes one itself (and says why if that fails too)
+            log.error("creating a spare private NIXL agent failed: %s", exc)
+            self.metrics.error("nixl_agent_create")
+            return
+        if self._stopping or self._private_spare is not None:
+            await self._destroy(gen)
+        else:
+            self._private_spare = gen
 
     def _want_spare(self) -> None:
         """A rotation is due and no spare is ready: make one (retrying a failure after a second)."""

@@ -4,7 +4,11 @@ Why: destroying a NIXL agent is the only fence NIXL 1.5.1 offers against a reade
 still holds an old key (see fencing.py), so the pod's NIXL agent is replaced over time.
 Exactly one generation is ACTIVE (new registrations go there); SEALED generations take
 none, their live objects are moved to the active one, and once nothing is registered in
-them and no ticket reads from them they are RETIRED (agent destroyed). Plain Python.
+them and no ticket reads from them they are RETIRED (agent destroyed).
+
+A PRIVATE generation serves one pooled region only (a weight-sync pack buffer, store.py): it never
+takes other registrations, is never sealed or drained, and is retired by the free of the version in
+it when a reader was handed its key, before the buffer is reused. Plain Python.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class GenState(enum.StrEnum):
 YOUNG = "young"
 TENURED = "tenured"
 LANES = (YOUNG, TENURED)
+PRIVATE = "private"  # one pooled region's own agent: in no lane, never active for other registrations
 
 
 @dataclass
@@ -46,7 +51,8 @@ class GenerationTable:
         self._gens: dict[int, Generation] = {}
         self._next = 1
         self.active_gids: dict[str, int] = {}
-        self.retired_count = 0
+        self.retired_count = 0  # lane agents retired: rotations
+        self.private_retired = 0  # private agents retired: pooled regions fenced before their reuse
 
     def new_name(self) -> tuple[int, str]:
         gid = self._next
@@ -67,6 +73,12 @@ class GenerationTable:
         gen.lane = lane
         self.active_gids[lane] = gid
         return old
+
+    def add_private(self, gen: Generation) -> None:
+        """A generation of its own for one pooled region: serving, in no lane, never sealed."""
+        gen.lane = PRIVATE
+        gen.state = GenState.ACTIVE
+        self._gens[gen.gid] = gen
 
     def active_in(self, lane: str) -> Generation | None:
         gid = self.active_gids.get(lane)
@@ -96,7 +108,10 @@ class GenerationTable:
         gen = self._gens.pop(gid)
         gen.state = GenState.RETIRED
         gen.retired_at = now
-        self.retired_count += 1
+        if gen.lane == PRIVATE:
+            self.private_retired += 1
+        else:
+            self.retired_count += 1
         for lane, active in list(self.active_gids.items()):
             if active == gid:
                 del self.active_gids[lane]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Executor
 from typing import Any
 
@@ -52,6 +52,14 @@ class NixlState:
         self._forced: list[asyncio.Future] = []
         self._urgent: set[int] = set()  # generations someone waits to see fenced: rotate without batching
         self._retired: dict[int, asyncio.Event] = {}
+        # Private NIXL agents for pooled regions (store.py), made and destroyed by the fencer, which sets
+        # these at its construction: `new_private` returns a fresh agent in no lane (not yet added here),
+        # `destroy` tears one down on the lifecycle thread.
+        self.new_private: Callable[[], Awaitable[Generation]] | None = None
+        self.destroy: Callable[[Generation], Awaitable[None]] | None = None
+        # Pooled regions parked in their private agent, never handed to a reader: the next version in the
+        # same buffer is put there with no registration. regions -> generation id.
+        self.pooled_parked: dict[tuple[RegionKey, ...], int] = {}
 
     # -- the control thread ---------------------------------------------------------------
     async def control(self, fn: Callable, *args: Any) -> Any:
@@ -82,6 +90,23 @@ class NixlState:
         self.gens.add(gen)
         self.ledger.add_generation(gen.gid)
         self.members.setdefault(gen.gid, set())
+
+    async def retire_private(self, gid: int) -> Generation:
+        """Deregister what a private generation still holds and retire it (the caller holds `lock`).
+
+        Nothing may own a region there any more. Its agent is destroyed by `destroy_retired`, outside the lock."""
+        parked = self.ledger.parked(gid)
+        if parked:
+            await self.deregister(gid, parked)
+        self.pooled_parked = {k: g for k, g in self.pooled_parked.items() if g != gid}
+        return self.retire_generation(gid)
+
+    async def destroy_retired(self, gen: Generation) -> None:
+        """Destroy a retired generation's agent: a reader's old key to its regions fails from here on."""
+        await self.barrier()  # no control-thread call (a notification poll) on this agent is left
+        assert self.destroy is not None
+        await self.destroy(gen)
+        self.retired(gen.gid)
 
     def retire_generation(self, gid: int) -> Generation:
         """Forget an emptied NIXL agent before it is destroyed (the caller holds `lock`)."""

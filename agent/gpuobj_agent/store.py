@@ -40,6 +40,7 @@ from gpuobj_agent.errors import (
     QuotaExceeded,
     TransportError,
 )
+from gpuobj_agent.generations import PRIVATE, Generation
 from gpuobj_agent.layouts import TensorLayout, allocate, layout_of
 from gpuobj_agent.metrics import AgentMetrics, Levels
 from gpuobj_agent.nixl_state import NixlState
@@ -274,6 +275,9 @@ class ObjectStore:
         if len({k.mem for k in keys}) > 1:
             # NIXL's partial metadata cannot describe both; its full metadata names every region of the agent.
             raise BadRequest("an object is in host memory or on GPUs, not both: put the CPU and CUDA tensors apart")
+        fields = (layouts, spans, keys, stream, stream_index, key, frozenset(shared_with), on_release)
+        if on_release is not None:
+            return await self._put_pooled(object_id, tensors, fields)
         for attempt in range(2):
             async with self.nixl.lock:
                 if object_id in self.objects:
@@ -295,32 +299,97 @@ class ObjectStore:
                         self.metrics.error("nixl_register")
                         raise TransportError(f"registering object {object_id} with NIXL failed: {exc}") from exc
                     self.metrics.registrations.labels(op="register").inc(len(new))
-                    obj = StoredObject(
-                        object_id,
-                        tensors,
-                        layouts,
-                        spans,
-                        keys,
-                        sum(lay.nbytes for lay in layouts),
-                        time.time(),
-                        self._clock(),
-                        gen.gid,
-                        stream,
-                        stream_index,
-                        key,
-                    )
-                    obj.description, obj.described_gid = described, gen.gid
-                    obj.shared_with = frozenset(shared_with)
-                    obj.on_release = on_release
-                    self.objects[object_id] = obj
-                    self.nixl.members.setdefault(gen.gid, set()).add(object_id)
-                    if stream is not None:
-                        self.streams.setdefault(stream, set()).add(object_id)
-                    return obj
+                    return self._stored(object_id, tensors, fields, gen.gid, described)
             # One of these storages was freed after a reader saw it, and is alive again (the workload
             # re-put a tensor it still holds): a newer NIXL agent must take it. Rotate and retry.
             await self.nixl.rotate_now()
         raise AssertionError("unreachable")
+
+    def _stored(
+        self, object_id: str, tensors: list[torch.Tensor], fields: tuple, gid: int, described: Any
+    ) -> StoredObject:
+        """Record a registered object (the caller holds the NIXL lock)."""
+        layouts, spans, keys, stream, stream_index, key, shared_with, on_release = fields
+        obj = StoredObject(
+            object_id,
+            tensors,
+            layouts,
+            spans,
+            keys,
+            sum(lay.nbytes for lay in layouts),
+            time.time(),
+            self._clock(),
+            gid,
+            stream,
+            stream_index,
+            key,
+        )
+        obj.description, obj.described_gid = described, gid
+        obj.shared_with = shared_with
+        obj.on_release = on_release
+        self.objects[object_id] = obj
+        self.nixl.members.setdefault(gid, set()).add(object_id)
+        if stream is not None:
+            self.streams.setdefault(stream, set()).add(object_id)
+        return obj
+
+    async def _put_pooled(self, object_id: str, tensors: list[torch.Tensor], fields: tuple) -> StoredObject:
+        """Put pooled memory (a pack buffer the owner refills with the next version) in a NIXL agent of its own.
+
+        Why its own agent: destroying the agent that registered a region is the only way NIXL lets us end
+        a reader's use of a key it was handed (fencing.py), and a pooled region is refilled right after
+        its free, so the free destroys that agent at once when a reader saw the key (`_release`), before
+        the owner gets the buffer back; the next version is registered in a fresh agent (one registration).
+        A version no reader ever saw leaves its region parked in its agent, and the next version in the
+        same buffer is put there with no registration.
+        """
+        keys = fields[2]
+        region = tuple(keys)
+        for _attempt in range(3):
+            fresh = None if region in self.nixl.pooled_parked else await self.nixl.new_private()
+            retired = None
+            try:
+                async with self.nixl.lock:
+                    if object_id in self.objects:
+                        raise Conflict(f"object {object_id} already exists")
+                    if self.nixl.gens.active is None or self.closing:
+                        raise NotReady("the agent is not ready (starting or stopping)")
+                    gid = self.nixl.pooled_parked.pop(region, None)
+                    if gid is not None:  # parked, never seen by a reader: no registration
+                        gen = self.nixl.gens.get(gid)
+                        new = self.nixl.ledger.acquire(gid, keys, object_id)
+                        assert not new, "a parked pooled region is registered in its agent"
+                        try:
+                            described = await self.nixl.control(self._describe_in, gen.agent, keys, fields[1])
+                        except Exception as exc:
+                            self.nixl.ledger.release(gid, object_id, park_all=True)
+                            self.nixl.pooled_parked[region] = gid
+                            self.metrics.error("nixl_describe")
+                            raise TransportError(f"describing object {object_id} for NIXL failed: {exc}") from exc
+                        return self._stored(object_id, tensors, fields, gid, described)
+                    if fresh is None:
+                        continue  # its parked agent went meanwhile (a shutdown): take a fresh one
+                    gen, fresh = fresh, None
+                    self.nixl.gens.add_private(gen)
+                    self.nixl.ledger.add_generation(gen.gid)
+                    self.nixl.members.setdefault(gen.gid, set())
+                    new = self.nixl.ledger.acquire(gen.gid, keys, object_id)
+                    try:
+                        [described] = await self.nixl.control(self._register_in, gen.agent, new, [(keys, fields[1])])
+                    except Exception as exc:
+                        self.nixl.ledger.rollback(gen.gid, new, object_id)
+                        self.metrics.error("nixl_register")
+                        retired = self.nixl.retire_generation(gen.gid)
+                        raise TransportError(f"registering object {object_id} with NIXL failed: {exc}") from exc
+                    self.metrics.registrations.labels(op="register").inc(len(new))
+                    return self._stored(object_id, tensors, fields, gen.gid, described)
+            finally:
+                if retired is not None:
+                    await self.nixl.destroy_retired(retired)
+                if fresh is not None:  # taken but not used
+                    assert self.nixl.destroy is not None
+                    await self.nixl.destroy(fresh)
+        raise NotReady(f"object {object_id}: no NIXL agent could take it; retry")
 
     def _check_quota(self, nbytes: int) -> None:
         limit = self.config.max_store_bytes
@@ -615,12 +684,20 @@ class ObjectStore:
         """Deregister everywhere, forget the object, quarantine or drop its tensors; returns fence gens."""
         exposed: set[int] = set()
         pooled = obj.on_release is not None
+        fenced: list[Generation] = []
         async with self.nixl.lock:
             for gid in self.nixl.ledger.owner_generations(obj.object_id):
                 released = self.nixl.ledger.release(gid, obj.object_id, park_exposed=True, park_all=pooled)
                 if released.deregister:
                     await self.nixl.deregister(gid, released.deregister)
-                if released.exposed and not pooled:
+                private = self.nixl.gens.has(gid) and self.nixl.gens.get(gid).lane == PRIVATE
+                if private and released.exposed:
+                    # A reader was handed this pooled region's key, and its owner refills the buffer next:
+                    # destroy the agent now (below), before the owner gets the buffer back.
+                    fenced.append(await self.nixl.retire_private(gid))
+                elif private:
+                    self.nixl.pooled_parked[tuple(obj.keys)] = gid
+                elif released.exposed:
                     exposed.add(gid)
                 if self.nixl.gens.has(gid):
                     self.nixl.gens.get(gid).migrated.discard(obj.object_id)
@@ -639,13 +716,15 @@ class ObjectStore:
                     items.discard(obj.object_id)
                     if not items:
                         del self.streams[obj.stream]
+        for gen in fenced:
+            await self.nixl.destroy_retired(gen)  # from here on a replay of this version's key fails
         tensors, obj.tensors, obj.description = obj.tensors, [], None
         if exposed:
             self.nixl.quarantine.add(obj.object_id, obj.nbytes, tensors, exposed, self._clock())
         del tensors  # never exposed: the memory may go now
         if pooled:
-            # Nothing to fence: the memory is not released but reused by its owner for the next version,
-            # which only readers holding a claim on that version read. Its region stays registered here.
+            # The owner refills the buffer with the next version: fenced above if a reader saw this one,
+            # else parked registered in its agent, where the next version is put with no registration.
             callback, obj.on_release = obj.on_release, None
             try:
                 callback()

@@ -1,6 +1,7 @@
-"""Weight sync at the agent: a state dict packed into one region, versions reusing their regions with
-no new NIXL registration, real NIXL between two agents in this process (the client and operator
-side is tests/e2e/operator/test_weight_sync.py)."""
+"""Weight sync at the agent: a state dict packed into one region, versions reusing their pack buffers,
+a version a reader saw fenced (its NIXL agent destroyed) before its buffer takes the next one, a version
+nobody read reused with no new NIXL registration; real NIXL between two agents in this process (the client
+and operator side is tests/e2e/operator/test_weight_sync.py, the raw replay test_stale_reader.py)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_only_pool_parked(stats: dict, buffers: int) -> None:
-    """Nothing held but the pool's regions, parked registered for the next version (deregistered at stop)."""
+    """Nothing held but `buffers` pool regions whose last version nobody read, parked registered in their own
+    NIXL agents for the next version (deregistered at stop); a region a reader saw was fenced at its free."""
     assert stats["objects"] == 0 and stats["storeBytes"] == 0, stats
     assert stats["inflightReads"] == 0 and stats["quarantinedBytes"] == 0, stats
     assert stats["registeredRegions"] == buffers, stats
@@ -79,8 +81,10 @@ def test_a_state_dict_is_one_region_and_comes_back_with_its_names_dtypes_bytes_a
     assert got["lm_head.weight"] is got["embed.weight"]  # tied: stored once, restored tied
     del got
     gc.collect()
-    assert src.free("v1")["freed"]
-    assert_only_pool_parked(src.stats(), 1)
+    freed = src.free("v1")
+    assert freed["freed"] and freed["fenced"], freed  # a reader saw it: its agent is gone before the reuse
+    assert src.stats()["pooledFences"] == 1
+    assert_only_pool_parked(src.stats(), 0)
     settle(dst.stats)
 
 
@@ -95,23 +99,34 @@ def test_overlapping_views_and_mixed_devices_and_non_tensors_are_refused_clearly
     assert len(plan({"a": base[:5], "b": base[5:]}).sources) == 2  # disjoint views of one storage: fine
 
 
-def test_versions_reuse_their_regions_with_no_new_registration_and_a_lagging_reader_keeps_its_own(make_runtime):
+def test_a_version_nobody_read_is_reused_with_no_registration_and_a_read_one_is_fenced_before_its_reuse(
+    make_runtime,
+):
     src, dst = make_runtime("src"), make_runtime("dst")
     pub = Publisher(src)
     start = registrations(src)
     pub.publish("v1", state_dict(1))
     pub.publish("v2", state_dict(2))
+    assert registrations(src) == start + 2  # one region each, each in a NIXL agent of its own
     lagging = unpack(pub.entries["v1"], dst.fetch(src.endpoint, "v1", token=TOKEN))  # a reader still on v1
-    assert src.free("v2")["freed"]  # everybody else moved on
-    for version in range(3, 9):  # v1 is held; each version reuses the region its predecessor left
-        pub.publish(f"v{version}", state_dict(version))
+    agents = src.stats()["generations"]
+    assert src.free("v2")["freed"]  # nobody read it: its region stays parked in its agent
+    assert src.stats()["pooledFences"] == 0 and src.stats()["generations"] == agents
+    pub.publish("v3", state_dict(3))  # into v2's buffer, where nobody read: no registration
+    assert registrations(src) == start + 2
+    for version in range(3, 9):  # v1 is held; each version takes the buffer its predecessor left
+        if version > 3:
+            pub.publish(f"v{version}", state_dict(version))
         fetched = unpack(pub.entries[f"v{version}"], dst.fetch(src.endpoint, f"v{version}", token=TOKEN))
         assert torch.equal(fetched["layers.3.w"], state_dict(version)["layers.3.w"])
         del fetched
-        assert src.free(f"v{version}")["freed"]
-    assert registrations(src) == start + 2  # two regions for eight versions
-    assert pub.pool.stats()["buffers"] == 2
-    assert src.stats()["rotations"] == 0 and src.stats()["quarantinedBytes"] == 0  # nothing to fence
+        freed = src.free(f"v{version}")
+        assert freed["freed"] and freed["fenced"], freed  # read: fenced within the free, before the reuse
+    stats = src.stats()
+    # v4-v8 each in a fresh agent (one registration each, the buffer reused), v3-v8 fenced at their free
+    assert registrations(src) == start + 2 + 5 and stats["pooledFences"] == 6
+    assert pub.pool.stats()["buffers"] == 2 and pub.pool.stats()["reused"] == 6
+    assert stats["rotations"] == 0 and stats["quarantinedBytes"] == 0  # no lane rotation, nothing quarantined
     # The lagging reader's v1 was never overwritten: it is still whole, and still readable at the source.
     assert torch.equal(lagging["layers.11.steps"], torch.tensor(111))
     again = unpack(pub.entries["v1"], dst.fetch(src.endpoint, "v1", token=TOKEN))
@@ -120,5 +135,5 @@ def test_versions_reuse_their_regions_with_no_new_registration_and_a_lagging_rea
     gc.collect()
     assert src.free("v1")["freed"]
     assert pub.pool.stats()["busyBytes"] == 0
-    assert_only_pool_parked(src.stats(), 2)
+    assert_only_pool_parked(src.stats(), 0)
     settle(dst.stats)

@@ -109,3 +109,45 @@ def test_wait_retired_marks_the_generation_urgent_and_returns_once_it_is_fenced(
         assert await nixl.wait_retired([other.gid], timeout=0.01) is False  # nobody fenced it in time
 
     with_state(body)
+
+
+def test_a_private_generation_serves_one_pooled_region_and_is_retired_and_destroyed_with_its_parked_key() -> None:
+    """A pooled region's own agent (store._put_pooled): in no lane, never sealed; retiring it deregisters
+    the region it parks, forgets it as reusable, counts a pooled fence (not a rotation), then destroys it."""
+
+    async def body(nixl: NixlState) -> None:
+        destroyed: list[int] = []
+
+        async def destroy(gen: Generation) -> None:
+            destroyed.append(gen.gid)
+
+        nixl.destroy = destroy
+        young = add(nixl, StandInAgent())
+        nixl.gens.activate(young.gid, 0.0)
+        agent = StandInAgent()
+        gid, name = nixl.gens.new_name()
+        gen = Generation(gid, name, agent, created_at=0.0)
+        nixl.gens.add_private(gen)
+        nixl.ledger.add_generation(gid)
+        assert nixl.gens.active is young and nixl.gens.sealed() == [] and gen in nixl.gens.live()
+        key = RegionKey("DRAM", 0, 1 << 20, 4096)
+        async with nixl.lock:
+            assert nixl.ledger.acquire(gid, [key], "v1") == [key]
+            released = nixl.ledger.release(gid, "v1", park_all=True)
+            assert released.deregister == [] and not released.exposed  # nobody read it: parked for reuse
+            nixl.pooled_parked[(key,)] = gid
+            assert nixl.ledger.acquire(gid, [key], "v2") == []  # the next version: no registration
+            nixl.ledger.expose(gid, [key])
+            assert nixl.ledger.release(gid, "v2", park_all=True).exposed  # read: must be fenced
+            retired = await nixl.retire_private(gid)
+        assert agent.deregistered == [key] and nixl.pooled_parked == {} and not nixl.gens.has(gid)
+        await nixl.destroy_retired(retired)
+        assert destroyed == [gid]
+        assert (nixl.gens.private_retired, nixl.gens.retired_count) == (1, 0)
+        assert nixl.gens.active is young  # the lanes never saw it
+        async with nixl.lock:
+            nixl.gens.retire(young.gid, 0.0)
+            nixl.ledger.drop_generation(young.gid)
+        assert nixl.ledger.balanced()
+
+    with_state(body)
