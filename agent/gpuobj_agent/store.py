@@ -61,16 +61,13 @@ FREED_GRANTS_KEPT = 4096
 
 def check_id(object_id: Any, what: str = "object id") -> str:
     if not patterns.OBJECT_ID.matches(object_id):
-        raise BadRequest(f"{what} {object_id!r} is not valid: 1-128 characters of [A-Za-z0-9._-]")
+        raise BadRequest(f"{what} {object_id!r} is not valid: {api.OBJECT_ID_RULE}")
     return object_id
 
 
 def check_stream(stream: Any) -> str:
     if not patterns.STREAM_NAME.matches(stream):
-        raise BadRequest(
-            f"stream {stream!r} is not valid: a Kubernetes object name (1-253 characters of [a-z0-9.-], "
-            "starting and ending with a letter or digit)"
-        )
+        raise BadRequest(f"stream {stream!r} is not valid: {api.STREAM_NAME_RULE}")
     return stream
 
 
