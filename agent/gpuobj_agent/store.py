@@ -692,6 +692,26 @@ class ObjectStore:
         else:
             self._record_pending.discard(object_id)
 
+    def agent_info(self, *, started_wall: float, endpoint: str) -> api.AgentInfo:
+        """INFO's answer: whose agent holds this store (pod, namespace, UID, process incarnation) and its
+        NIXL agents. One builder for the agent and the scale fleet's stand-in (gpuobj_dev.scale.fleet_agent)."""
+        c, active = self.config, self.nixl.gens.active
+        return api.AgentInfo(
+            pod=c.pod_name,
+            namespace=c.namespace,
+            pod_uid=c.pod_uid,
+            incarnation=self.incarnation,
+            nixl_agent=active.name if active else None,
+            nixl_agents=tuple(self.nixl.gens.live_names()),
+            started_at=iso_time(started_wall),
+            endpoint=endpoint,
+        )
+
+    def inventory(self) -> api.Inventory:
+        """INVENTORY's whole answer: every object held, under the same identity as `agent_info`."""
+        c = self.config
+        return api.Inventory(c.pod_name, c.namespace, c.pod_uid, self.incarnation, tuple(self.inventory_objects()))
+
     def inventory_objects(self) -> list[api.InventoryItem]:
         now = self._clock()
         return [
