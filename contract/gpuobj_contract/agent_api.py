@@ -406,14 +406,13 @@ class InventoryItem:
     created_at: str = ""  # RFC 3339 with milliseconds: with the id, its place in the pages (inventory_order)
     devices: tuple[str, ...] = ()
 
+    def description(self) -> ObjectDescription:
+        """The object as GET_OBJECT describes it: an inventory item is that and the agent's bookkeeping."""
+        return ObjectDescription(self.id, self.bytes, self.tensors, self.created_at, self.stream, self.stream_index)
+
     def to_json(self) -> dict[str, Any]:
         return {
-            "id": self.id,
-            "bytes": self.bytes,
-            "tensors": [t.to_json() for t in self.tensors],
-            "createdAt": self.created_at,
-            "stream": self.stream,
-            "streamIndex": self.stream_index,
+            **self.description().to_json(),
             "devices": list(self.devices),
             "ageSeconds": self.age_seconds,
             "inflightReads": self.inflight_reads,
