@@ -13,51 +13,17 @@ A benchmark, not a test.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gpuobj_dev.cluster import DevCluster  # noqa: E402
-from gpuobj_dev.testing.cluster import ClusterHandle  # noqa: E402
-from gpuobj_dev.testing.identities import WORKLOAD_SA, Identities  # noqa: E402
+from bench._cluster import PUT_MANY, count_ready, one_namespace, rss_mib, start_workload  # noqa: E402  (the shared start-up)
 from gpuobj_dev.testing.operator import OperatorProcess  # noqa: E402
-from gpuobj_dev.testing.pods import create_agent_pod  # noqa: E402
-from gpuobj_dev.testing.workload import WorkloadProcess, free_port  # noqa: E402
-from gpuobj_kube.client import GPUOBJECTS  # noqa: E402
 
 NAMESPACE = "gpuobj-scale"
-
-PUT_MANY = """
-import asyncio
-async def put_many(n, width=16):
-    sem = asyncio.Semaphore(width)
-    tensor = torch.ones(16)
-    async def one(i):
-        async with sem:
-            ref = await client.core.put([tensor], name=f"s-{i}")
-            ref.detach()  # keep the GPUObject: this benchmark drops no reference
-    await asyncio.gather(*(one(i) for i in range(n)))
-"""
-
-
-def rss_mib(pid: int) -> float:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024  # type: ignore[union-attr]
-
-
-def count_ready(handle: ClusterHandle) -> int:
-    async def go() -> int:
-        async with handle.client() as kube:
-            items = (await kube.list(GPUOBJECTS, NAMESPACE, limit=500))["items"]
-            return sum(1 for o in items if (o.get("status") or {}).get("state") == "Ready")
-
-    return asyncio.run(go())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,34 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     n = args.objects
 
-    state = Path(tempfile.mkdtemp(prefix="gpuobj-scale-"))
-    cluster = DevCluster(state, tie_to_parent=True, log=lambda m: print(f"# {m}", flush=True))
-    handle = ClusterHandle(cluster, cluster.up())
-    procs: list = []
-    try:
-        handle.apply_crds()
-        handle.kubectl("create", "namespace", NAMESPACE)
-        # The operator and the workload run as their ServiceAccounts with the chart's roles, as in a cluster.
-        identities = Identities(handle, NAMESPACE, state / "identities")
+    with one_namespace(NAMESPACE, "gpuobj-scale-") as run:
+        handle, identities, procs = run.handle, run.identities, run.procs
         op = identities.operator()
-        port = free_port()
-
-        async def pod() -> str:
-            async with handle.client() as kube:
-                created = await create_agent_pod(kube, NAMESPACE, "src", port=port, service_account=WORKLOAD_SA)
-                return created["metadata"]["uid"]
-
-        uid = asyncio.run(pod())
-        creds = identities.workload("src", uid)
-        src = WorkloadProcess(
-            pod_name="src",
-            namespace=NAMESPACE,
-            pod_uid=uid,
-            port=port,
-            token_file=creds.agent_token,
-            kubeconfig=creds.kubeconfig,
-            env=identities.workload_env,
-        ).start()
+        src, _ = start_workload(
+            handle, NAMESPACE, "src", lambda uid: identities.workload("src", uid), identities.workload_env
+        )
         procs.append(src)
         src.run(PUT_MANY)
         t0 = time.perf_counter()
@@ -107,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         procs.append(first)
         t0 = time.perf_counter()
         first.start().wait_ready(timeout=600)
-        while count_ready(handle) < n:
+        while count_ready(handle, NAMESPACE) < n:
             time.sleep(1)
         print(f"# first operator wrote {n} statuses in {time.perf_counter() - t0:.1f}s", flush=True)
         first.kill()
@@ -139,10 +83,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'frees after restart':>28} | {frees:.0f} (must be 0)")
         print(f"{'objects marked Lost':>28} | {lost:.0f} (must be 0)")
         return 0 if frees == 0 and lost == 0 and ready == n else 1
-    finally:
-        for p in procs:
-            p.kill()
-        cluster.down(quiet=True)
 
 
 if __name__ == "__main__":

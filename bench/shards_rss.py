@@ -13,69 +13,30 @@ A benchmark, not a test.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.restart_scale import PUT_MANY, rss_mib  # noqa: E402
-from gpuobj_dev.cluster import DevCluster  # noqa: E402
-from gpuobj_dev.testing.cluster import ClusterHandle  # noqa: E402
+from bench._cluster import PUT_MANY, count_ready, one_namespace, rss_mib, start_workload  # noqa: E402  (the shared start-up)
 from gpuobj_dev.testing.clusterwide import operator_home  # noqa: E402
-from gpuobj_dev.testing.identities import WORKLOAD_SA, Identities  # noqa: E402
 from gpuobj_dev.testing.operator import OperatorProcess  # noqa: E402
-from gpuobj_dev.testing.pods import create_agent_pod  # noqa: E402
-from gpuobj_dev.testing.workload import WorkloadProcess, free_port  # noqa: E402
-from gpuobj_kube.client import GPUOBJECTS  # noqa: E402
 from gpuobj_operator.shards import shard_of  # noqa: E402
 
 NAMESPACE = next(f"gpuobj-scale-{i}" for i in range(100) if shard_of(f"gpuobj-scale-{i}", 2) == 1)
-
-
-def count_ready(handle: ClusterHandle) -> int:
-    async def go() -> int:
-        async with handle.client() as kube:
-            items = (await kube.list(GPUOBJECTS, NAMESPACE))["items"]
-            return sum(1 for o in items if (o.get("status") or {}).get("state") == "Ready")
-
-    return asyncio.run(go())
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--objects", type=int, default=2000)
     n = parser.parse_args(argv).objects
-    state = Path(tempfile.mkdtemp(prefix="gpuobj-shards-"))
-    cluster = DevCluster(state, tie_to_parent=True, log=lambda m: print(f"# {m}", flush=True))
-    handle = ClusterHandle(cluster, cluster.up())
-    procs: list = []
-    try:
-        handle.apply_crds()
-        handle.kubectl("create", "namespace", NAMESPACE)
-        identities = Identities(handle, NAMESPACE, state / "identities")
+    with one_namespace(NAMESPACE, "gpuobj-shards-") as run:
+        handle, identities, procs, state = run.handle, run.identities, run.procs, run.state
         with operator_home(handle, state / "operator", ("operator.shards=2",)) as home:
-            port = free_port()
-
-            async def pod() -> str:
-                async with handle.client() as kube:
-                    created = await create_agent_pod(kube, NAMESPACE, "src", port=port, service_account=WORKLOAD_SA)
-                    return created["metadata"]["uid"]
-
-            uid = asyncio.run(pod())
-            creds = identities.workload("src", uid)
-            src = WorkloadProcess(
-                pod_name="src",
-                namespace=NAMESPACE,
-                pod_uid=uid,
-                port=port,
-                token_file=creds.agent_token,
-                kubeconfig=creds.kubeconfig,
-                env={**identities.workload_env, "GPUOBJ_OPERATOR_SERVICEACCOUNT": home.subject},
-            ).start()
+            env = {**identities.workload_env, "GPUOBJ_OPERATOR_SERVICEACCOUNT": home.subject}
+            src, _ = start_workload(handle, NAMESPACE, "src", lambda uid: identities.workload("src", uid), env)
             procs.append(src)
             ops: list[OperatorProcess] = []
             for i in range(2):
@@ -92,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             src.run(f"client.runner.call(put_many({n}), 'put many')", timeout=3600)
             print(f"# put {n} objects in {NAMESPACE} (shard 1) in {time.perf_counter() - t0:.1f}s", flush=True)
             deadline = time.monotonic() + 1800
-            while count_ready(handle) < n and time.monotonic() < deadline:
+            while count_ready(handle, NAMESPACE) < n and time.monotonic() < deadline:
                 time.sleep(2)
             # Shard 1's ledger has seen its own last status write come back through its watch.
             ops[1].wait_metric("gpuobj_objects", {"state": "Ready"}, n, timeout=600)
@@ -104,10 +65,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'RSS before the objects':>28} | {idle[0]:>16.0f} MiB | {idle[1]:.0f} MiB")
             print(f"{'RSS with ' + str(n) + ' objects':>28} | {memory[0]:>16.0f} MiB | {memory[1]:.0f} MiB")
             return 0
-    finally:
-        for p in procs:
-            p.kill()
-        cluster.down(quiet=True)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from gpuobj_agent.metrics import AgentMetrics
 from gpuobj_agent.nixl_state import NixlState
 from gpuobj_agent.nixl_transport import NixlAgent
 from gpuobj_agent.server import build_app
-from gpuobj_agent.store import ObjectStore, iso_time
+from gpuobj_agent.store import ObjectStore
 from gpuobj_agent.tls import AgentCertificate
 from gpuobj_contract import agent_api as api
 from gpuobj_kube.client import KubeClient
@@ -245,24 +245,10 @@ class Agent:
 
     # -- views -------------------------------------------------------------------------
     def info(self) -> api.AgentInfo:
-        active = self.nixl.gens.active
-        c = self.config
-        return api.AgentInfo(
-            pod=c.pod_name,
-            namespace=c.namespace,
-            pod_uid=c.pod_uid,
-            incarnation=self.incarnation,
-            nixl_agent=active.name if active else None,
-            nixl_agents=tuple(self.nixl.gens.live_names()),
-            started_at=iso_time(self.started_wall),
-            endpoint=self.endpoint,
-        )
+        return self.store.agent_info(started_wall=self.started_wall, endpoint=self.endpoint)
 
     def inventory(self) -> api.Inventory:
-        c = self.config
-        return api.Inventory(
-            c.pod_name, c.namespace, c.pod_uid, self.incarnation, tuple(self.store.inventory_objects())
-        )
+        return self.store.inventory()
 
     def stats(self) -> dict[str, Any]:
         """Counts a test asserts on at the end: nothing held, everything balanced."""

@@ -16,18 +16,18 @@ import dataclasses
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
 
 from gpuobj_agent.auth import Caller, Forbidden
 from gpuobj_agent.config import AgentConfig
 from gpuobj_agent.errors import AgentError, BadRequest, Conflict, NotReady, ObjectNotFound, Unauthorized
-from gpuobj_agent.layouts import TensorLayout, parse_layouts
+from gpuobj_agent.layouts import TensorLayout
 from gpuobj_agent.metrics import AgentMetrics
 from gpuobj_agent.store import check_id, check_stream
 from gpuobj_contract import agent_api as api
-from gpuobj_contract import agent_tls, names, patterns
+from gpuobj_contract import agent_tls, names
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,7 @@ CALLER = web.RequestKey("gpuobj_caller", object)  # the verified Caller
 OPEN_PATHS = tuple(route.template for route in api.OPEN_ROUTES)
 OPERATOR, READER = "operator", "reader"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Request = TypeVar("Request")
 
 
 def _error(status: int, message: str, **headers: str) -> web.Response:
@@ -190,25 +191,24 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         return _error(500, "internal error (see the agent log)")
 
 
-async def _body(request: web.Request, allowed: set[str], *, required: bool = False) -> dict[str, Any]:
-    """The JSON object body (empty allowed unless required); unknown fields are an error."""
+async def _json(request: web.Request, *, required: bool = False) -> Any:
+    """The decoded JSON body ({} when empty, unless required); its shape is checked by whoever reads it."""
     raw = await request.read()
     if not raw.strip():
         if required:
             raise BadRequest("a JSON object body is required")
         return {}
     try:
-        data = json.loads(raw)
+        return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"body is not valid JSON: {exc}") from None
     except RecursionError:
         raise BadRequest("body is nested too deeply") from None
-    if not isinstance(data, dict):
-        raise BadRequest("body must be a JSON object")
-    unknown = set(data) - allowed
-    if unknown:
-        raise BadRequest(f"unknown field(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
-    return data
+
+
+async def _body(request: web.Request, allowed: frozenset[str]) -> dict[str, Any]:
+    """The JSON object body of a route whose body has no shape of its own (fields of ``allowed`` only)."""
+    return _parse(lambda data: api.request_fields(data, allowed), await _json(request))
 
 
 def _query_int(request: web.Request, key: str, low: int, high: int, *, default: int) -> int:
@@ -220,39 +220,12 @@ def _query_int(request: web.Request, key: str, low: int, high: int, *, default: 
     return int(text)
 
 
-def _opt_str(data: dict[str, Any], key: str, limit: int = 1024) -> str | None:
-    value = data.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, str) or len(value) > limit:
-        raise BadRequest(f"{key} must be a string of at most {limit} characters")
-    return value
-
-
-def _opt_bool(data: dict[str, Any], key: str) -> bool:
-    value = data.get(key, False)
-    if not isinstance(value, bool):
-        raise BadRequest(f"{key} must be true or false")
-    return value
-
-
-def _opt_int(data: dict[str, Any], key: str) -> int | None:
-    value = data.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not -(2**63) <= value < 2**63:
-        raise BadRequest(f"{key} must be an integer")
-    return value
-
-
-def _namespaces(data: dict[str, Any], key: str) -> list[str]:
-    value = data.get(key) or []
-    if not isinstance(value, list) or len(value) > 64:
-        raise BadRequest(f"{key} must be a list of at most 64 namespace names")
-    for ns in value:
-        if not patterns.NAMESPACE.matches(ns):
-            raise BadRequest(f"{key}: {ns!r} is not a namespace name")
-    return value
+def _parse(shape: Callable[[Any], Request], data: Any) -> Request:
+    """A request body read through its agent_api shape; what it refuses is a 400 naming the field."""
+    try:
+        return shape(data)
+    except ValueError as exc:  # agent_api.RequestError
+        raise BadRequest(str(exc)) from None
 
 
 class Routes:
@@ -305,19 +278,14 @@ class Routes:
 
     async def put_object(self, request: web.Request) -> web.Response:
         object_id = check_id(request.match_info["id"])
-        data = await _body(request, {"tensors", "key", "stream", "streamIndex", "sharedWith"}, required=True)
-        layouts = parse_layouts(data.get("tensors"))
-        key = _opt_str(data, "key", 128)
-        stream = _opt_str(data, "stream", 253)
-        if stream is not None:
-            check_stream(stream)
+        req = _parse(api.MaterializeRequest.from_json, await _json(request, required=True))
         created, obj = await self.store.materialize(
             object_id,
-            layouts,
-            key=key,
-            stream=stream,
-            stream_index=_opt_int(data, "streamIndex"),
-            shared_with=_namespaces(data, "sharedWith"),
+            list(req.tensors),
+            key=req.key,
+            stream=req.stream,
+            stream_index=req.stream_index,
+            shared_with=req.shared_with,
         )
         # The operator records which process holds the bytes (api.MaterializeAnswer): its liveness rules need it.
         described = obj.answer()
@@ -326,8 +294,8 @@ class Routes:
 
     async def begin_read(self, request: web.Request) -> web.Response:
         object_id = check_id(request.match_info["id"])
-        data = await _body(request, {"reader"})
-        _opt_str(data, "reader", 256)  # informational; the verified token names the reader
+        # `reader` is informational (the verified token names the reader), but checked like every field.
+        _parse(api.ReadRequest.from_json, await _json(request))
         caller: Caller = request[CALLER]
         self._authorize_read(caller, object_id)
         if not self.store.ready:
@@ -358,11 +326,8 @@ class Routes:
 
     async def free(self, request: web.Request) -> web.Response:
         object_id = check_id(request.match_info["id"])
-        data = await _body(request, {"reason", "waitFence"})
-        reason = _opt_str(data, "reason")
-        return web.json_response(
-            await self.store.free(object_id, reason=reason, wait_fence=_opt_bool(data, "waitFence"))
-        )
+        req = _parse(api.FreeRequest.from_json, await _json(request))
+        return web.json_response(await self.store.free(object_id, reason=req.reason, wait_fence=req.wait_fence))
 
     async def release_handoff(self, request: web.Request) -> web.Response:
         """A receiver drops a claim the source made for it (client write-behind): the source's
@@ -373,7 +338,7 @@ class Routes:
         if caller.namespace != self.agent.config.namespace:
             # A hand-off is a claim in the source's namespace, made for a pod there.
             raise Forbidden(f"{caller.subject} may not release hand-offs of namespace {self.agent.config.namespace}")
-        await _body(request, set())
+        await _body(request, frozenset())
         sink = self.agent.handoff_sink
         # Bound to the holder: the sink releases the claim only for the pod it was made for (any other pod
         # gets the same 404 as for an unknown claim, so a claim's name is no capability).
@@ -383,7 +348,7 @@ class Routes:
 
     async def free_stream(self, request: web.Request) -> web.Response:
         stream = check_stream(request.match_info["stream"])
-        await _body(request, {"reason"})
+        await _body(request, frozenset({"reason"}))
         return web.json_response(await self.store.free_stream(stream))
 
 

@@ -62,16 +62,13 @@ FREED_GRANTS_KEPT = 4096
 
 def check_id(object_id: Any, what: str = "object id") -> str:
     if not patterns.OBJECT_ID.matches(object_id):
-        raise BadRequest(f"{what} {object_id!r} is not valid: 1-128 characters of [A-Za-z0-9._-]")
+        raise BadRequest(f"{what} {object_id!r} is not valid: {api.OBJECT_ID_RULE}")
     return object_id
 
 
 def check_stream(stream: Any) -> str:
     if not patterns.STREAM_NAME.matches(stream):
-        raise BadRequest(
-            f"stream {stream!r} is not valid: a Kubernetes object name (1-253 characters of [a-z0-9.-], "
-            "starting and ending with a letter or digit)"
-        )
+        raise BadRequest(f"stream {stream!r} is not valid: {api.STREAM_NAME_RULE}")
     return stream
 
 
@@ -773,6 +770,26 @@ class ObjectStore:
             self._record_pending.add(object_id)
         else:
             self._record_pending.discard(object_id)
+
+    def agent_info(self, *, started_wall: float, endpoint: str) -> api.AgentInfo:
+        """INFO's answer: whose agent holds this store (pod, namespace, UID, process incarnation) and its
+        NIXL agents. One builder for the agent and the scale fleet's stand-in (gpuobj_dev.scale.fleet_agent)."""
+        c, active = self.config, self.nixl.gens.active
+        return api.AgentInfo(
+            pod=c.pod_name,
+            namespace=c.namespace,
+            pod_uid=c.pod_uid,
+            incarnation=self.incarnation,
+            nixl_agent=active.name if active else None,
+            nixl_agents=tuple(self.nixl.gens.live_names()),
+            started_at=iso_time(started_wall),
+            endpoint=endpoint,
+        )
+
+    def inventory(self) -> api.Inventory:
+        """INVENTORY's whole answer: every object held, under the same identity as `agent_info`."""
+        c = self.config
+        return api.Inventory(c.pod_name, c.namespace, c.pod_uid, self.incarnation, tuple(self.inventory_objects()))
 
     def inventory_objects(self) -> list[api.InventoryItem]:
         now = self._clock()

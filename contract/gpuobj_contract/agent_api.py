@@ -4,16 +4,21 @@ the client and the benchmarks (docs/agent-api.md describes the same in words).
 Why typed shapes: a field renamed on one side used to fail as a KeyError (or worse, a default)
 on the other. Each shape parses what it receives with `from_json` (unknown fields are ignored:
 a newer agent may add some) and writes what it sends with `to_json`; plain Python, no I/O.
+
+Request bodies (MaterializeRequest, FreeRequest, ReadRequest) are the exception: the agent reads
+them from callers it does not trust, so their `from_json` is strict. A body that is not an object,
+an unknown field (a misspelt `waitfence` would otherwise do nothing), or a value of the wrong type
+or range is a RequestError naming the field; the agent answers it with a 400 and changes nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 from urllib.parse import quote
 
 from gpuobj_contract import patterns
-from gpuobj_contract.layouts import TensorLayout
+from gpuobj_contract.layouts import LayoutError, TensorLayout, parse_layouts
 
 # A NIXL READ posted with this notification message ends the read ticket `<readId>` at the source.
 READ_END_NOTIF_PREFIX = "gpuobj-read-end:"
@@ -27,6 +32,61 @@ def is_object_id(text: object) -> bool:
 def is_stream_name(text: object) -> bool:
     """A stream name: its GPUObjectStream's object name (patterns.STREAM_NAME)."""
     return patterns.STREAM_NAME.matches(text)
+
+
+class RequestError(ValueError):
+    """A request body the agent refuses (its 400): the message names the field and what it must be."""
+
+
+MAX_SHARED_WITH = 64  # spec.sharedWith's maxItems
+MAX_REASON = 1024
+MAX_READER = 256
+
+
+def request_fields(data: Any, allowed: frozenset[str]) -> dict[str, Any]:
+    """A request body's fields: a JSON object with none but ``allowed`` (RequestError otherwise)."""
+    if not isinstance(data, dict):
+        raise RequestError("the body must be a JSON object")
+    unknown = set(data) - allowed
+    if unknown:
+        raise RequestError(f"unknown field(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+    return data
+
+
+def _optional_text(data: dict[str, Any], key: str, max_length: int) -> str | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > max_length:
+        raise RequestError(f"{key} must be a string of at most {max_length} characters")
+    return value
+
+
+def _optional_match(data: dict[str, Any], key: str, pattern: patterns.TextPattern, what: str) -> str | None:
+    value = data.get(key)
+    if value is not None and not pattern.matches(value):
+        raise RequestError(f"{key} {str(value)[:80]!r} is not valid: {what}")
+    return value
+
+
+def _namespaces(data: dict[str, Any], key: str) -> tuple[str, ...]:
+    value = data.get(key)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_SHARED_WITH:
+        raise RequestError(f"{key} must be a list of at most {MAX_SHARED_WITH} namespace names")
+    for ns in value:
+        if not patterns.NAMESPACE.matches(ns):
+            raise RequestError(f"{key}: {str(ns)[:80]!r} is not a namespace name")
+    if len(set(value)) != len(value):
+        raise RequestError(f"{key} names a namespace twice (it is a set)")
+    return tuple(value)
+
+
+OBJECT_ID_RULE = "1-128 characters of [A-Za-z0-9._-]"
+STREAM_NAME_RULE = (
+    "a Kubernetes object name (1-253 characters of [a-z0-9.-], starting and ending with a letter or digit)"
+)
 
 
 class Route(NamedTuple):
@@ -170,14 +230,28 @@ class HandoffReleaseAnswer:
 
 @dataclass(frozen=True)
 class FreeRequest:
+    """FREE's body (empty allowed). `reason` is for the agent's log; `wait_fence`: answer only once every
+    NIXL agent that exposed the memory is destroyed (bounded), so `fenced` says the bytes are gone."""
+
     reason: str | None = None
     wait_fence: bool = False
+
+    FIELDS: ClassVar[frozenset[str]] = frozenset({"reason", "waitFence"})
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"waitFence": self.wait_fence} if self.wait_fence else {}
         if self.reason:
             body["reason"] = self.reason
         return body
+
+    @classmethod
+    def from_json(cls, data: Any) -> FreeRequest:
+        """Strict (see the module's doc): RequestError names the field."""
+        data = request_fields(data, cls.FIELDS)
+        wait_fence = data.get("waitFence", False)
+        if not isinstance(wait_fence, bool):
+            raise RequestError("waitFence must be true or false")
+        return cls(reason=_optional_text(data, "reason", MAX_REASON), wait_fence=wait_fence)
 
 
 @dataclass(frozen=True)
@@ -248,6 +322,8 @@ class MaterializeRequest:
     stream_index: int | None = None
     shared_with: tuple[str, ...] = ()
 
+    FIELDS: ClassVar[frozenset[str]] = frozenset({"tensors", "key", "stream", "streamIndex", "sharedWith"})
+
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"tensors": [t.to_json() for t in self.tensors]}
         for name, value in (("key", self.key), ("stream", self.stream), ("streamIndex", self.stream_index)):
@@ -256,6 +332,30 @@ class MaterializeRequest:
         if self.shared_with:
             body["sharedWith"] = list(self.shared_with)
         return body
+
+    @classmethod
+    def from_json(cls, data: Any) -> MaterializeRequest:
+        """Strict (see the module's doc), with the GPUObject schema's rules: RequestError names the field.
+
+        A stream item names both its stream and its index (spec.stream requires both), the index from 0."""
+        data = request_fields(data, cls.FIELDS)
+        try:
+            tensors = tuple(parse_layouts(data.get("tensors"), "tensors"))
+        except LayoutError as exc:
+            raise RequestError(str(exc)) from None
+        stream = _optional_match(data, "stream", patterns.STREAM_NAME, STREAM_NAME_RULE)
+        index = data.get("streamIndex")
+        if index is not None and (isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < 2**63):
+            raise RequestError("streamIndex must be a whole number from 0")
+        if (stream is None) != (index is None):
+            raise RequestError("stream and streamIndex go together: a stream item names both, other objects neither")
+        return cls(
+            tensors=tensors,
+            key=_optional_match(data, "key", patterns.OBJECT_ID, OBJECT_ID_RULE),
+            stream=stream,
+            stream_index=index,
+            shared_with=_namespaces(data, "sharedWith"),
+        )
 
 
 @dataclass(frozen=True)
@@ -306,14 +406,13 @@ class InventoryItem:
     created_at: str = ""  # RFC 3339 with milliseconds: with the id, its place in the pages (inventory_order)
     devices: tuple[str, ...] = ()
 
+    def description(self) -> ObjectDescription:
+        """The object as GET_OBJECT describes it: an inventory item is that and the agent's bookkeeping."""
+        return ObjectDescription(self.id, self.bytes, self.tensors, self.created_at, self.stream, self.stream_index)
+
     def to_json(self) -> dict[str, Any]:
         return {
-            "id": self.id,
-            "bytes": self.bytes,
-            "tensors": [t.to_json() for t in self.tensors],
-            "createdAt": self.created_at,
-            "stream": self.stream,
-            "streamIndex": self.stream_index,
+            **self.description().to_json(),
             "devices": list(self.devices),
             "ageSeconds": self.age_seconds,
             "inflightReads": self.inflight_reads,
@@ -421,10 +520,18 @@ class Inventory:
 class ReadRequest:
     """BEGIN_READ's body. `reader` is informational: the verified token names the reader."""
 
-    reader: str
+    reader: str = ""
+
+    FIELDS: ClassVar[frozenset[str]] = frozenset({"reader"})
 
     def to_json(self) -> dict[str, Any]:
         return {"reader": self.reader}
+
+    @classmethod
+    def from_json(cls, data: Any) -> ReadRequest:
+        """Strict (see the module's doc); an empty body is a read by an unnamed reader."""
+        data = request_fields(data, cls.FIELDS)
+        return cls(_optional_text(data, "reader", MAX_READER) or "")
 
 
 MEMORY_TYPES = ("DRAM", "VRAM")

@@ -31,7 +31,7 @@ from gpuobj.client.errors import FetchError, ObjectLostError, ObjectNotFoundErro
 from gpuobj.client.handles import ObjectAddress, ObjectRef, SharedRef, TensorLayout
 from gpuobj.client.releases import ReleaseQueue
 from gpuobj.client.state_dicts import Entries, PackPool, is_state_dict, unpack
-from gpuobj.client.writebehind import WriteBehind
+from gpuobj.client.writebehind import Record, WriteBehind
 from gpuobj_agent.layouts import layout_of
 from gpuobj_contract import agent_api as api
 from gpuobj_contract import names
@@ -241,36 +241,18 @@ class ClientCore:
         if on_release is not None:
             stream_kw["on_release"] = on_release
         await self.agent.aput(object_id, tensors, copy=copy, **stream_kw)
-        if self.wb is not None and stream is None:
-            body = self.object_body(name, object_id, layouts, labels=labels, shared_with=shared_with, entries=entries)
-            try:
-                record = await self.wb.create_object(self.namespace, name, body, object_id)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await self.agent.afree(object_id)
-                raise
-            address = ObjectAddress(
-                self.namespace,
-                name,
-                "",
-                object_id,
-                self.pod_name,
-                self.agent.endpoint,
-                layouts,
-                entries,
-                source_pod_uid=self.pod_uid,
-            )
-            return self.track(ObjectRef(address, "owner", self.releases.put, record=record))
+        record: Record | None = None
         try:
-            created = await self.kube.create(
-                GPUOBJECTS,
-                self.object_body(
-                    name, object_id, layouts, labels=labels, stream=stream, shared_with=shared_with, entries=entries
-                ),
-                self.namespace,
+            body = self.object_body(
+                name, object_id, layouts, labels=labels, stream=stream, shared_with=shared_with, entries=entries
             )
+            if self.wb is not None and stream is None:  # a stream item is written at once, never queued
+                record = await self.wb.create_object(self.namespace, name, body, object_id)
+                uid = ""  # known once the write-behind's create lands (the record has it)
+            else:
+                uid = (await self.kube.create(GPUOBJECTS, body, self.namespace))["metadata"]["uid"]
         except BaseException:
-            # The write failed: nothing in the API references these bytes, so free them now
+            # The write failed or was refused: nothing in the API references these bytes, so free them now
             # (docs/design.md, "streamed-item leak").
             with contextlib.suppress(Exception):
                 await self.agent.afree(object_id)
@@ -278,7 +260,7 @@ class ClientCore:
         address = ObjectAddress(
             self.namespace,
             name,
-            created["metadata"]["uid"],
+            uid,
             object_id,
             self.pod_name,
             self.agent.endpoint,
@@ -286,7 +268,7 @@ class ClientCore:
             entries,
             source_pod_uid=self.pod_uid,
         )
-        return self.track(ObjectRef(address, "owner", self.releases.put))
+        return self.track(ObjectRef(address, "owner", self.releases.put, record=record))
 
     # ------------------------------------------------------------ state dicts (state_dicts.py)
 

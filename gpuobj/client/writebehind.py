@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -52,6 +53,7 @@ from typing import Any
 
 from gpuobj.client.congestion import InFlightLimit
 from gpuobj.client.errors import GpuObjError, NameTakenError, PermissionDeniedError, PodNotFoundError
+from gpuobj_contract import resources as crd
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, ApiError, ApiTimeout, Conflict, KubeClient, NotFound
 
 log = logging.getLogger("gpuobj.client.writebehind")
@@ -488,7 +490,9 @@ class WriteBehind:
             body = w.body
             obj_rec = fam.object_record
             if rec.kind == "claim" and obj_rec is not None and obj_rec.uid:
-                body["spec"]["objectUID"] = obj_rec.uid  # pin the incarnation we created
+                # Pin the incarnation we created.
+                claim = crd.GPUObjectClaimSpec.from_json(body["spec"])
+                body["spec"] = dataclasses.replace(claim, object_uid=obj_rec.uid).to_json()
             if w.owner_pod is not None:
                 assert self.pod_uid is not None
                 uid = await self.pod_uid(*w.owner_pod)  # the receiver's current incarnation
@@ -506,11 +510,11 @@ class WriteBehind:
                     created = await self.kube.get(res, rec.name, rec.namespace)
                 except NotFound:
                     raise exc from None  # deleted meanwhile: try the create again
-                if created.get("spec") != body.get("spec") and not _same_spec(created, body):
+                if not _ours(rec.kind, created, body):
                     kind = "GPUObject" if rec.kind == "object" else "GPUObjectClaim"
                     raise _NotOurs(
                         f"{kind} {rec.namespace}/{rec.name} already exists and is not this process's"
-                        f" (source pod {((created.get('spec') or {}).get('source') or {}).get('podName', '?')})"
+                        f" ({_whose(rec.kind, created)})"
                     ) from exc
             rec.uid = created["metadata"]["uid"]
             rec.created = True
@@ -584,8 +588,28 @@ def _overloaded(exc: ApiError) -> bool:
     return exc.status == 429 or exc.status >= 500 or isinstance(exc, ApiTimeout)
 
 
-def _same_spec(created: dict, body: dict) -> bool:
-    a, b = dict(created.get("spec") or {}), dict(body.get("spec") or {})
-    a.pop("objectUID", None)
-    b.pop("objectUID", None)
-    return a.get("objectId", a.get("objectName")) == b.get("objectId", b.get("objectName"))
+def _ours(kind: str, created: dict, body: dict) -> bool:
+    """Whether what holds our name is what an earlier try of ours created (its answer lost): a GPUObject of
+    the same agent object (spec.objectId), a claim on the same GPUObject (spec.objectName; its objectUID is
+    left out, as the one we pinned may differ from a retry's)."""
+    if created.get("spec") == body.get("spec"):
+        return True
+    try:
+        if kind == "object":
+            theirs, mine = (crd.GPUObjectSpec.from_json(b.get("spec")) for b in (created, body))
+            return theirs.object_id == mine.object_id
+        held, wanted = (crd.GPUObjectClaimSpec.from_json(b.get("spec")) for b in (created, body))
+        return held.object_name == wanted.object_name
+    except (ValueError, TypeError, AttributeError):  # not a spec of this kind's shape: not ours
+        return False
+
+
+def _whose(kind: str, created: dict) -> str:
+    """Who holds the name, as far as its spec says: a GPUObject's source pod, a claim's holder pod."""
+    try:
+        if kind == "object":
+            return f"source pod {crd.GPUObjectSpec.from_json(created.get('spec')).source.pod_name}"
+        holder = crd.GPUObjectClaimSpec.from_json(created.get("spec")).holder
+        return f"holder pod {holder.pod_name if holder is not None else '?'}"
+    except (ValueError, TypeError, AttributeError):
+        return "a spec this client cannot read"

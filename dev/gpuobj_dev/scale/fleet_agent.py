@@ -30,7 +30,7 @@ from gpuobj_agent.fencing import Fencer
 from gpuobj_agent.metrics import AgentMetrics
 from gpuobj_agent.nixl_state import NixlState
 from gpuobj_agent.server import build_app
-from gpuobj_agent.store import ObjectStore, iso_time
+from gpuobj_agent.store import ObjectStore
 from gpuobj_contract import agent_api as api
 
 
@@ -138,24 +138,10 @@ class FleetAgent:
     # -- what the control server serves (gpuobj_agent.server.Served) --------------------------
     def info(self) -> api.AgentInfo:
         self._on_info()  # the operator's liveness traffic, counted per agent
-        active = self.nixl.gens.active
-        c = self.config
-        return api.AgentInfo(
-            pod=c.pod_name,
-            namespace=c.namespace,
-            pod_uid=c.pod_uid,
-            incarnation=self.incarnation,
-            nixl_agent=active.name if active else None,
-            nixl_agents=tuple(self.nixl.gens.live_names()),
-            started_at=iso_time(self.started_wall),
-            endpoint=self.endpoint,
-        )
+        return self.store.agent_info(started_wall=self.started_wall, endpoint=self.endpoint)
 
     def inventory(self) -> api.Inventory:
-        c = self.config
-        return api.Inventory(
-            c.pod_name, c.namespace, c.pod_uid, self.incarnation, tuple(self.store.inventory_objects())
-        )
+        return self.store.inventory()
 
     # -- what the client core calls on its pod's agent -------------------------------------------
     async def aput(

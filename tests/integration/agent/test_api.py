@@ -111,6 +111,12 @@ BAD = [
     ("PUT", "/v1/objects/x", {"tensors": [LAYOUT], "streamIndex": "3"}, 400),
     ("PUT", "/v1/objects/x", {"tensors": [LAYOUT], "stream": "bad stream"}, 400),
     ("PUT", "/v1/objects/x", {"tensors": [LAYOUT], "key": "bad key!"}, 400),
+    # The GPUObject schema's rules (agent_api.MaterializeRequest.from_json): these were stored before.
+    ("PUT", "/v1/objects/x", {"tensors": [LAYOUT], "stream": "s", "streamIndex": -1}, 400),
+    ("PUT", "/v1/objects/x", {"tensors": [LAYOUT], "stream": "s"}, 400),
+    ("PUT", "/v1/objects/x", {"tensors": [LAYOUT], "streamIndex": 0}, 400),
+    ("PUT", "/v1/objects/x", {"tensors": [LAYOUT], "sharedWith": 0}, 400),
+    ("PUT", "/v1/objects/x", {"tensors": [LAYOUT], "sharedWith": ["b", "b"]}, 400),
     ("PUT", "/v1/objects/x", {"tensors": [LAYOUT], "key": "not-published"}, 404),
     ("PUT", "/v1/objects/" + "x" * 129, {"tensors": [LAYOUT]}, 400),
     ("PUT", "/v1/objects/a%20b", {"tensors": [LAYOUT]}, 400),

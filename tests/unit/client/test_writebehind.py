@@ -14,6 +14,7 @@ import pytest
 from gpuobj.client.congestion import InFlightLimit
 from gpuobj.client.errors import NameTakenError, PodNotFoundError
 from gpuobj.client.writebehind import WriteBehind, WriteBehindFullError, WriteFailedError
+from gpuobj_contract import resources as crd
 from gpuobj_kube.client import Conflict, Invalid
 
 
@@ -50,12 +51,19 @@ class ScriptedApi:
         raise AssertionError("not expected")
 
 
+def object_spec(object_id: str, pod: str = "a") -> dict:
+    """A GPUObject's spec as the client writes it (through the CRD's typed shape)."""
+    tensor = crd.TensorSpec((2,), "int8", "cpu")
+    return crd.GPUObjectSpec(crd.ObjectSource(pod, pod_uid=f"uid-{pod}"), (tensor,), object_id=object_id).to_json()
+
+
 def body(name: str, spec: dict | None = None) -> dict:
-    return {"metadata": {"name": name}, "spec": spec or {"objectId": name}}
+    return {"metadata": {"name": name}, "spec": spec or object_spec(name)}
 
 
-def claim_body(name: str, obj: str) -> dict:
-    return {"metadata": {"name": name}, "spec": {"objectName": obj, "holder": {"podName": "r"}}}
+def claim_body(name: str, obj: str, holder: str = "r") -> dict:
+    spec = crd.GPUObjectClaimSpec(obj, holder=crd.ClaimHolder(holder))
+    return {"metadata": {"name": name}, "spec": spec.to_json()}
 
 
 def run(coro):
@@ -306,8 +314,66 @@ class NameHeldElsewhere(ScriptedApi):
         return await super().create(res, body, namespace)
 
     async def get(self, res, name, namespace):
-        spec = {"objectId": "o-theirs", "source": {"podName": "b"}}
-        return {"metadata": {"name": name, "uid": "theirs"}, "spec": spec}
+        return {"metadata": {"name": name, "uid": "theirs"}, "spec": object_spec("o-theirs", pod="b")}
+
+
+class AnswersLost(ScriptedApi):
+    """Every create lands, but its first answer is lost: the retry is answered 409 AlreadyExists, and a get
+    finds what the first try made, with a field a newer schema defaults (so not the same dict as sent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stored: dict[str, dict] = {}
+
+    async def create(self, res, body, namespace):
+        name = body["metadata"]["name"]
+        if name in self.stored:
+            raise Conflict(409, "AlreadyExists", f'{res.plural} "{name}" already exists')
+        self.stored[name] = await super().create(res, body, namespace)
+        raise TimeoutError("the answer was lost")
+
+    async def get(self, res, name, namespace):
+        found = self.stored[name]
+        return {**found, "spec": {**found["spec"], "defaultedByANewerSchema": True}}
+
+
+def test_a_create_whose_answer_was_lost_is_taken_as_ours_by_its_typed_spec() -> None:
+    async def go():
+        api = AnswersLost()
+        wb = WriteBehind(api, free_local=lambda _: None, window=0.0)
+        obj = await wb.create_object("ns", "o", body("o", object_spec("oid")), "oid")
+        claim = claim_body("c", "o")
+        await wb.create_claim("ns", "o", "c", claim)
+        await wb.flush(5)  # nothing refused: both found as ours
+        assert (obj.uid, obj.failed) == ("u1", None)
+        assert crd.GPUObjectClaimSpec.from_json(claim["spec"]).object_uid == "u1"  # pinned through the shape
+        assert crd.GPUObjectClaimSpec.from_json(api.stored["c"]["spec"]) == crd.GPUObjectClaimSpec(
+            "o", object_uid="u1", holder=crd.ClaimHolder("r")
+        )
+        await wb.close()
+
+    run(go())
+
+
+def test_a_claim_name_held_by_another_holder_is_name_taken_naming_that_holder() -> None:
+    class ClaimHeld(NameHeldElsewhere):
+        async def create(self, res, body, namespace):
+            if body["metadata"]["name"] == "c-taken":
+                raise Conflict(409, "AlreadyExists", 'gpuobjectclaims.gpuobj.io "c-taken" already exists')
+            return await ScriptedApi.create(self, res, body, namespace)
+
+        async def get(self, res, name, namespace):
+            return {"metadata": {"name": name, "uid": "theirs"}, "spec": claim_body(name, "other", "b")["spec"]}
+
+    async def go():
+        wb = WriteBehind(ClaimHeld(), free_local=lambda _: None, window=0.0)
+        await wb.create_object("ns", "o", body("o"), "oid")
+        await wb.create_claim("ns", "o", "c-taken", claim_body("c-taken", "o"))
+        with pytest.raises(NameTakenError, match=r"GPUObjectClaim ns/c-taken .* \(holder pod b\)"):
+            await wb.flush(5)
+        await wb.close()
+
+    run(go())
 
 
 def test_a_name_another_pod_holds_fails_the_family_with_name_taken_once_and_frees_the_bytes() -> None:
@@ -318,8 +384,8 @@ def test_a_name_another_pod_holds_fails_the_family_with_name_taken_once_and_free
             freed.append(object_id)
 
         wb = WriteBehind(api, free_local=free, window=0.0)
-        rec = await wb.create_object("ns", "taken", body("taken", {"objectId": "o-mine"}), "o-mine")
-        with pytest.raises(NameTakenError, match="already exists and is not this process's"):
+        rec = await wb.create_object("ns", "taken", body("taken", object_spec("o-mine")), "o-mine")
+        with pytest.raises(NameTakenError, match=r"already exists and is not this process's \(source pod b\)"):
             await wb.flush(5)
         assert isinstance(rec.failed, NameTakenError) and freed == ["o-mine"]
         assert wb.counts["retries"] == 0 and wb.pending_writes == 0  # refused at once, never retried
@@ -354,7 +420,8 @@ def test_a_claim_for_a_receiver_is_queued_without_its_uid_and_a_missing_receiver
         await wb.create_object("ns", "o", body("o"), "oid")
         for claim, pod in (("c-ghost", "ghost"), ("c-reader", "reader")):
             owned = {"name": claim, "ownerReferences": [{"kind": "Pod", "name": pod, "uid": ""}]}
-            await wb.create_claim("ns", "o", claim, {"metadata": owned, "spec": {"objectName": "o"}}, owner_pod=pod)
+            spec = claim_body(claim, "o", pod)["spec"]
+            await wb.create_claim("ns", "o", claim, {"metadata": owned, "spec": spec}, owner_pod=pod)
         assert asked == [] and wb.pending_writes == 3
         api.down = False
         with pytest.raises(PodNotFoundError, match="ghost"):

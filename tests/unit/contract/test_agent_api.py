@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from gpuobj_contract import agent_api as api
@@ -167,3 +169,85 @@ def test_every_answer_the_agent_writes_reads_back_the_same() -> None:
     page = api.Inventory("p", "ns", "uid", "inc", (item,), continue_token=api.inventory_token(item))
     assert api.Inventory.from_json(page.to_json()) == page
     assert api.inventory_order(item) == api.inventory_order(item.to_json()) == ("t", "o-1")
+
+
+LAYOUT_JSON = {"shape": [2], "dtype": "int8", "device": "cpu"}
+
+
+def test_every_request_the_operator_and_the_fetcher_send_reads_back_the_same() -> None:
+    """The agent reads its request bodies with the shapes the operator and the fetcher write them with."""
+    layout = TensorLayout((2,), "int8", "cpu")
+    for req in (
+        api.MaterializeRequest((layout,)),
+        api.MaterializeRequest((layout,), key="weights", stream="acts", stream_index=3, shared_with=("b", "c")),
+    ):
+        assert api.MaterializeRequest.from_json(req.to_json()) == req
+    for free in (api.FreeRequest(), api.FreeRequest(reason="Released", wait_fence=True)):
+        assert api.FreeRequest.from_json(free.to_json()) == free
+    assert api.ReadRequest.from_json(api.ReadRequest("pod-a").to_json()) == api.ReadRequest("pod-a")
+    # An empty body is a free with no reason and a read by an unnamed reader.
+    assert api.FreeRequest.from_json({}) == api.FreeRequest() and api.ReadRequest.from_json({}).reader == ""
+    # A device is spelled one way ("cuda" is cuda:0), so the agent compares layouts as the operator sent them.
+    gpu = api.MaterializeRequest.from_json({"tensors": [{"shape": [], "dtype": "bfloat16", "device": "cuda"}]})
+    assert gpu.tensors == (TensorLayout((), "bfloat16", "cuda:0"),)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ([LAYOUT_JSON], "JSON object"),
+        (None, "JSON object"),
+        ({}, "tensors"),
+        ({"tensors": []}, "tensors"),
+        ({"tensors": {"shape": [2]}}, "tensors"),
+        ({"tensors": [{"shape": [-1], "dtype": "int8"}]}, "tensors[0].shape"),
+        ({"tensors": [LAYOUT_JSON, {"shape": [1], "dtype": "float99"}]}, "tensors[1].dtype"),
+        ({"tensors": [{"shape": [1], "dtype": "int8", "device": "tpu"}]}, "tensors[0].device"),
+        ({"tensors": [LAYOUT_JSON], "colour": "red"}, "colour"),
+        ({"tensors": [LAYOUT_JSON], "key": "bad key!"}, "key"),
+        ({"tensors": [LAYOUT_JSON], "key": ""}, "key"),
+        ({"tensors": [LAYOUT_JSON], "key": 7}, "key"),
+        ({"tensors": [LAYOUT_JSON], "stream": "Bad_Stream", "streamIndex": 0}, "stream"),
+        ({"tensors": [LAYOUT_JSON], "stream": "s", "streamIndex": "3"}, "streamIndex"),
+        ({"tensors": [LAYOUT_JSON], "stream": "s", "streamIndex": True}, "streamIndex"),
+        ({"tensors": [LAYOUT_JSON], "stream": "s", "streamIndex": -1}, "streamIndex"),  # the CRD's minimum is 0
+        ({"tensors": [LAYOUT_JSON], "stream": "s", "streamIndex": 2.0}, "streamIndex"),
+        ({"tensors": [LAYOUT_JSON], "stream": "s"}, "streamIndex"),  # spec.stream requires both
+        ({"tensors": [LAYOUT_JSON], "streamIndex": 0}, "stream"),
+        ({"tensors": [LAYOUT_JSON], "sharedWith": "ns-b"}, "sharedWith"),
+        ({"tensors": [LAYOUT_JSON], "sharedWith": 0}, "sharedWith"),  # was read as "no namespaces"
+        ({"tensors": [LAYOUT_JSON], "sharedWith": False}, "sharedWith"),
+        ({"tensors": [LAYOUT_JSON], "sharedWith": ["Ns_B"]}, "sharedWith"),
+        ({"tensors": [LAYOUT_JSON], "sharedWith": [["b"]]}, "sharedWith"),
+        ({"tensors": [LAYOUT_JSON], "sharedWith": ["b", "b"]}, "sharedWith"),  # a set in the CRD
+        ({"tensors": [LAYOUT_JSON], "sharedWith": [f"n{i}" for i in range(65)]}, "sharedWith"),
+    ],
+)
+def test_a_bad_materialize_request_is_a_request_error_naming_its_field(body: object, field: str) -> None:
+    with pytest.raises(api.RequestError, match=re.escape(field)):
+        api.MaterializeRequest.from_json(body)
+
+
+@pytest.mark.parametrize(
+    ("shape", "body", "field"),
+    [
+        (api.FreeRequest, [], "JSON object"),
+        (api.FreeRequest, {"waitFence": "yes"}, "waitFence"),
+        (api.FreeRequest, {"waitFence": 1}, "waitFence"),
+        (api.FreeRequest, {"waitfence": True}, "waitfence"),  # misspelt: refused, not ignored
+        (api.FreeRequest, {"reason": 5}, "reason"),
+        (api.FreeRequest, {"reason": "x" * (api.MAX_REASON + 1)}, "reason"),
+        (api.ReadRequest, [1], "JSON object"),
+        (api.ReadRequest, {"reader": 5}, "reader"),
+        (api.ReadRequest, {"reader": "r" * (api.MAX_READER + 1)}, "reader"),
+        (api.ReadRequest, {"reader": "r", "lease": 60}, "lease"),
+    ],
+)
+def test_a_bad_free_or_read_request_is_a_request_error_naming_its_field(shape: type, body: object, field: str) -> None:
+    with pytest.raises(api.RequestError, match=field):
+        shape.from_json(body)
+
+
+def test_request_errors_are_value_errors_and_name_the_allowed_fields() -> None:
+    with pytest.raises(ValueError, match=r"allowed: \['reason', 'waitFence'\]"):
+        api.FreeRequest.from_json({"colour": "red"})
