@@ -21,8 +21,47 @@ from gpuobj_dev import node as devnode
 from gpuobj_dev.cluster import DevCluster
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.waits import wait_until
+from tests.conftest import failed
 
 NODE_UNAVAILABLE = devnode.unavailable_reason()
+
+
+def dump_cluster(cluster: ClusterHandle, why: str) -> None:
+    """Print what a reader of a failed node test needs, before teardown removes it: every pod (wide), the
+    CSRs, `kubectl describe` of each pod outside kube-system and the logs of each of its containers (the
+    previous run's too, after a restart), and the namespaces' Events. Best effort: a dump never fails a test."""
+
+    def run(*args: str) -> str:
+        try:
+            proc = cluster.kubectl(*args, check=False, timeout=60)
+        except Exception as exc:  # a dump must not hide the failure it explains
+            return f"(kubectl {' '.join(args)}: {exc})"
+        return proc.stdout + (f"\n(stderr) {proc.stderr}" if proc.returncode else "")
+
+    out = [f"===== node cluster dump: {why} ====="]
+    out += ["--- kubectl get pods -A -o wide", run("get", "pods", "-A", "-o", "wide")]
+    out += ["--- kubectl get csr", run("get", "csr")]
+    try:
+        listed = json.loads(cluster.kubectl("get", "pods", "-A", "-o", "json", check=False, timeout=60).stdout or "{}")
+    except Exception as exc:
+        listed = {}
+        out.append(f"(listing pods: {exc})")
+    namespaces: set[str] = set()
+    for pod in listed.get("items", []):
+        ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+        if ns == "kube-system":
+            continue
+        namespaces.add(ns)
+        out += [f"--- kubectl -n {ns} describe pod {name}", run("-n", ns, "describe", "pod", name)]
+        statuses = pod.get("status", {}).get("containerStatuses", [])
+        for c in pod["spec"].get("containers", []):
+            out += [f"--- logs {ns}/{name} -c {c['name']}", run("-n", ns, "logs", name, "-c", c["name"], "--tail=300")]
+            if any(s["name"] == c["name"] and s.get("restartCount", 0) for s in statuses):
+                out += [f"--- previous logs {ns}/{name} -c {c['name']}"]
+                out.append(run("-n", ns, "logs", name, "-c", c["name"], "--previous", "--tail=300"))
+    for ns in sorted(namespaces):
+        out += [f"--- events in {ns}", run("-n", ns, "get", "events", "--sort-by=.lastTimestamp")]
+    print("\n" + "\n".join(out) + f"\n===== end of dump: {why} =====", flush=True)
 
 
 @pytest.fixture(scope="session")
@@ -76,6 +115,14 @@ class Pods:
     def restarts(self, name: str) -> int:
         statuses = self.pod(name).get("status", {}).get("containerStatuses", [])
         return sum(s.get("restartCount", 0) for s in statuses)
+
+
+@pytest.fixture(autouse=True)
+def dump_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A node test that failed prints the cluster's pods, their logs and Events (see dump_cluster)."""
+    yield
+    if failed(request) and "node_cluster" in request.fixturenames:
+        dump_cluster(request.getfixturevalue("node_cluster"), f"{request.node.nodeid} failed")
 
 
 @pytest.fixture
