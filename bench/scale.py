@@ -12,6 +12,7 @@ the pod's own bound tokens. Then, in order, on the same cluster:
   ramp          --pods pods Running, --objects-per-pod objects each, each handed off to the next pod
                 (one claim held by another pod; the producer drops its own reference)
   cold restart  the operator SIGKILLed, a fresh one: time to synced, to every agent audited, RSS, frees
+  catch-up      until every status says what the operator concludes (its writes trail the ramp)
   idle          --idle-seconds with nothing changing: operator API writes, liveness requests per pod
   dead holders  holders' processes restarted (new incarnation, restartCount + 1 in pod status), half
                 dying again in their first second; p99 time until what they held is freed; pods deleted
@@ -182,6 +183,8 @@ async def run(args: argparse.Namespace, handle: ClusterHandle, folder: Path, fig
             rs = await phases.run("cold restart", scenarios.cold_restart(h, log))
             figures.update(restart_synced_s=rs.synced_s, restart_audited_s=rs.audited_s, operator_rss_mib=rs.rss_mib)
             extra["restart frees (must be 0)"] = f"{rs.frees} seen by the fleet, {rs.operator_frees:.0f} counted"
+            caught_up = await phases.run("status catch-up", scenarios.statuses_settled(h, args.settle_timeout, log))
+            extra["status writes caught up"] = f"{caught_up:.1f} s after the cold restart's audit"
             idle = await phases.run("idle", scenarios.idle(h, args.idle_seconds, log))
             figures.update(
                 idle_operator_writes_per_min=idle.operator_writes_per_min,
@@ -235,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=20)
     p.add_argument("--objects-per-pod", type=int, default=100)
     p.add_argument("--idle-seconds", type=float, default=300.0)
+    p.add_argument(
+        "--settle-timeout", type=float, default=3600.0, help="longest wait for every status before the idle window"
+    )
     p.add_argument("--dead-fraction", type=float, default=0.02, help="share of pods whose process restarts")
     p.add_argument("--churn-rates", type=float, nargs="+", default=[25, 50, 100, 200, 400])
     p.add_argument("--churn-seconds", type=float, default=10.0, help="length of each churn step")

@@ -13,12 +13,16 @@ import asyncio
 import math
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gpuobj_contract import names
 from gpuobj_dev.scale import apimetrics
 from gpuobj_dev.scale.fleet import OBJECT_BYTES, FleetPod, Key
 from gpuobj_dev.scale.harness import ScaleHarness, rss_mib
+from gpuobj_kube.client import CLAIMS, GPUOBJECTS
+from gpuobj_operator.free_path import is_marker
 
 Progress = Callable[[str], None]
 OPERATOR_GROUPS = frozenset({"gpuobj.io"})
@@ -174,6 +178,39 @@ class Idle:
     info_requests: int
     operator_cpu_s: float
     writes_by_resource: dict[str, float] = field(default_factory=dict)  # per minute
+
+
+async def statuses_settled(h: ScaleHarness, timeout: float, progress: Progress | None = None) -> float:
+    """Until every status says what the operator will conclude (objects Ready, or Releasing once their
+    owner let go, with their claim counts; claims Bound); returns the seconds it took. Idle means nothing
+    left to do: the operator's status writes trail the ramp by as long as the API server needs for them."""
+    t0 = time.monotonic()
+    last = t0
+    async with h.handle.client() as kube:
+        while True:
+            objects = (await kube.list(GPUOBJECTS, h.namespace))["items"]
+            claims = [c for c in (await kube.list(CLAIMS, h.namespace))["items"] if not is_marker(c)]
+            per_object = Counter(c["spec"]["objectName"] for c in claims)
+            pending = [
+                o["metadata"]["name"]
+                for o in objects
+                if (o.get("status") or {}).get("state")
+                != (names.STATE_RELEASING if o["metadata"].get("deletionTimestamp") else names.STATE_READY)
+                or (o.get("status") or {}).get("claims") != per_object[o["metadata"]["name"]]
+            ] + [c["metadata"]["name"] for c in claims if (c.get("status") or {}).get("state") != "Bound"]
+            now = time.monotonic()
+            if not pending:
+                return now - t0
+            if now - t0 > timeout:
+                first = next((o for o in objects if o["metadata"]["name"] == pending[0]), {})
+                raise AssertionError(
+                    f"{len(pending)} statuses not written in {timeout:g}s, e.g. {pending[:5]}; {pending[0]}:"
+                    f" {first.get('status')}, {per_object[pending[0]]} claims name it"
+                )
+            if progress is not None and now - last >= 20:
+                progress(f"statuses not yet written: {len(pending)} of {len(objects) + len(claims)}")
+                last = now
+            await asyncio.sleep(0.5 if len(objects) < 5000 else 5.0)
 
 
 async def idle(h: ScaleHarness, seconds: float, progress: Progress) -> Idle:

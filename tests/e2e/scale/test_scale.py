@@ -10,9 +10,7 @@ Needs root: kwok's pod CIDR is made a local route (`ip route add local ... dev l
 
 from __future__ import annotations
 
-import asyncio
 import uuid
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,8 +27,6 @@ from gpuobj_dev.scale.kwok import can_route
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.identities import OPERATOR_SA, WORKLOAD_SA, request_token
 from gpuobj_dev.testing.waits import wait_until
-from gpuobj_kube.client import CLAIMS, GPUOBJECTS
-from gpuobj_operator.free_path import is_marker
 
 PODS = 100
 NODES = 4
@@ -132,38 +128,10 @@ def test_cold_restart_frees_nothing(run: Run) -> None:
     assert run.h.fleet.wrong_frees == 0
 
 
-async def _statuses_written(h: ScaleHarness, timeout: float) -> None:
-    """Until every status says what the operator will conclude (objects Ready, or Releasing once their
-    owner let go, with their claim counts; claims Bound): from then on, with nothing changing, it has
-    nothing left to write."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    async with h.handle.client() as kube:
-        while True:
-            objects = (await kube.list(GPUOBJECTS, h.namespace))["items"]
-            claims = [c for c in (await kube.list(CLAIMS, h.namespace))["items"] if not is_marker(c)]
-            per_object = Counter(c["spec"]["objectName"] for c in claims)
-            pending = [
-                o["metadata"]["name"]
-                for o in objects
-                if (o.get("status") or {}).get("state")
-                != (names.STATE_RELEASING if o["metadata"].get("deletionTimestamp") else names.STATE_READY)
-                or (o.get("status") or {}).get("claims") != per_object[o["metadata"]["name"]]
-            ] + [c["metadata"]["name"] for c in claims if (c.get("status") or {}).get("state") != "Bound"]
-            if not pending:
-                return
-            if asyncio.get_running_loop().time() > deadline:
-                first = next((o for o in objects if o["metadata"]["name"] == pending[0]), {})
-                raise AssertionError(
-                    f"{len(pending)} statuses not written in {timeout:g}s, e.g. {pending[:5]}; {pending[0]}:"
-                    f" {first.get('status')}, {per_object[pending[0]]} claims name it"
-                )
-            await asyncio.sleep(0.5)
-
-
 def test_idle_operator_writes_nothing(run: Run) -> None:
     """Nothing changes, two resyncs decide every record again: not one API write by the operator
     (gpuobj.io, events, pods in apiserver_request_total, as bench/scale.py counts them)."""
-    run(_statuses_written(run.h, 180), timeout=240)
+    run(scenarios.statuses_settled(run.h, 180), timeout=240)
     # Earlier tests' namespaces being emptied by kube-controller-manager write gpuobjects, events and pods.
     wait_until(lambda: not run.handle.terminating_namespaces(), "earlier test namespaces to go", timeout=180)
     idle = run(scenarios.idle(run.h, IDLE_WINDOW_S, run.h.log), timeout=IDLE_WINDOW_S + 60)
