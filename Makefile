@@ -14,12 +14,14 @@ demo: setup
 	@$(VENV) -m gpuobj_dev.cli demo $(DEMO_ARGS)
 
 # pytest exits 5 when it collects nothing: say so rather than fail obscurely. The images are built
-# (first run: ~15 min, cached after) before pytest, so no test's time limit pays for a first build.
+# (first run: ~15 min, cached after) and the node's containerd and crictl (~15 min) before pytest,
+# so no test's time limit pays for a first build.
 test: setup
 	@$(VENV) -m ruff check .
 	@$(VENV) -c "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
 	@$(VENV) -m mypy
 	@$(VENV) -m gpuobj_dev.images --when-possible
+	@$(VENV) -m gpuobj_dev.node prepare --when-possible
 	@$(VENV) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 
