@@ -25,8 +25,10 @@ from pathlib import Path
 
 import torch
 
-from gpuobj_agent.config import AgentConfig
-from gpuobj_agent.runtime import AgentRuntime
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench._agents import runtime_factory  # noqa: E402  (the shared in-process agents)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -46,11 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        token = Path(tmp) / "token"
-        token.write_text("bench")
-
-        def runtime(name: str) -> AgentRuntime:
-            return AgentRuntime(AgentConfig(pod_name=name, host="127.0.0.1", port=0, token_file=str(token))).start()
+        runtime = runtime_factory(tmp)
 
         for population in (int(p) for p in args.populations.split(",")):
             src, dst = runtime("src"), runtime("dst")

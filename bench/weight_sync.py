@@ -360,6 +360,28 @@ def run_side(side: str, argv: list[str]) -> dict | str:
         Path(path).unlink(missing_ok=True)
 
 
+def print_steps(ours: dict) -> None:
+    """Where gpuobj's median goes, per row (medians over versions, ms): the trainer's put (pack, plus a
+    registration when the buffer is fresh), the part of it spent waiting for an earlier version's free, the
+    slowest reader's fetch, and the rest (shares, adopt, verify, hand-off round trips)."""
+    print("gpuobj per step, median ms: put (of it: waiting for a free) | slowest fetch | rest; new buffers")
+    for size, row in ours["rows"].items():
+        for count, r in row["by_readers"].items():
+            steps = r.get("steps") or []
+            if not steps:
+                continue
+            put = median([st["put_s"] for st in steps]) * 1e3
+            wait = median([st["waited_s"] for st in steps]) * 1e3
+            fetch = median([max(st["fetch_s"]) for st in steps]) * 1e3
+            rest = median([st["verified_s"] - st["put_s"] - max(st["fetch_s"]) for st in steps]) * 1e3
+            fresh = sum(1 for st in steps if st["new_buffer"])
+            ran_out = sum(1 for st in steps if st["wait_ran_out"])
+            print(
+                f"  {size:>6} x{count}: put {put:7.1f} (wait {wait:6.1f}) | fetch {fetch:7.1f} | rest {rest:7.1f}; "
+                f"{fresh} new buffers, {ran_out} waits ran out, of {len(steps)} versions"
+            )
+
+
 def summarize(ray: dict | str, ours: dict | str, args: argparse.Namespace) -> dict:
     """The table, and the figures --json writes."""
     print()
@@ -399,6 +421,7 @@ def summarize(ray: dict | str, ours: dict | str, args: argparse.Namespace) -> di
                 + f" | {r['registrations_per_version_after_second']:5.2f} | "
                 f"{r['deregistrations_per_version_after_second']:7.2f} | {r['trainer_peak_versions']:6.1f}"
             )
+    print_steps(ours)
     large = "large" if "large" in ours["rows"] else None
     one = ours["rows"][large]["by_readers"].get("1") if large else None
     figures.update(
