@@ -2,7 +2,11 @@
 
 The chart installed on the real node, two workload pods from deploy/examples/workload-pod.yaml, a raw
 packet socket on the pods' bridge (tests/e2e/node/packets.py) while the operator materializes and frees
-an object and one pod reads the other's object over the agent HTTP path (a read ticket, then NIXL).
+an object and one pod reads the other's object: with the hand-off's grant (NIXL alone, no request), then
+by address over the agent HTTP path (a read ticket with the reader's token, then NIXL). With TLS on, the
+grant read and the hand-off's release send nothing to the source's agent (core.py: no release is sent
+unverified), so only the read by address puts the reader's token on the wire: it must be there to be
+looked for.
 TLS on (the chart's default, `GPUOBJ_AGENT_TLS=csr` in the pods): the capture sees TLS handshakes on the
 agent port from the operator and from the reader, and no `Bearer ` and no JWT anywhere. TLS off (the
 control): the same capture finds `Bearer ` and a JWT on the agent port, which proves it sees payloads.
@@ -23,7 +27,7 @@ from gpuobj_dev import node as devnode
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.waits import wait_until
 from tests.e2e.deploy.support import CHART
-from tests.e2e.node.conftest import Pods
+from tests.e2e.node.conftest import Pods, dump_cluster
 from tests.e2e.node.packets import BEARER, JWT, Capture, is_client_hello, is_tls_record
 from tests.e2e.node.test_real_pods import RELEASE, SYSTEM_NS, Workload, chart_values, gpuobjects, workload_docs
 
@@ -82,10 +86,18 @@ def installed(cluster: ClusterHandle, ns: str, tls: bool) -> Iterator[Pods]:
         timeout=700,
     )
     try:
-        pods.apply(*pod_docs(["producer", "consumer"], tls))
-        for name in ("producer", "consumer"):
-            pods.wait_ready(name, timeout=600)
-        yield pods
+        try:
+            pods.apply(*pod_docs(["producer", "consumer"], tls))
+            for name in ("producer", "consumer"):
+                pods.wait_ready(name, timeout=600)
+        except BaseException:
+            dump_cluster(cluster, f"the workload pods (TLS {'on' if tls else 'off'}) did not become Ready")
+            raise
+        try:
+            yield pods
+        except BaseException:
+            dump_cluster(cluster, f"the capture test (TLS {'on' if tls else 'off'}) failed")
+            raise
     finally:
         pods.kubectl("delete", "pod", "producer", "consumer", "--ignore-not-found", "--wait=true", "--timeout=120s")
         wait_until(lambda: gpuobjects(pods) == [], "every GPUObject freed once its pods are gone", 120, 0.5)
@@ -98,9 +110,7 @@ def operator_ip(cluster: ClusterHandle) -> str:
     return ip
 
 
-# The TLS-on case failed in its first run on the node (2026-12-02; branch `capture` keeps it): only the
-# control runs until that is found, so what this proves today is that the capture sees the agents' traffic.
-@pytest.mark.parametrize("tls", [False], ids=["tls-off-control"])
+@pytest.mark.parametrize("tls", [True, False], ids=["tls-on", "tls-off-control"])
 def test_a_capture_of_the_pod_network_shows_no_bearer_token(node_cluster: ClusterHandle, tls: bool) -> None:
     ns = f"gpuobj-capture-{'on' if tls else 'off'}"
     with installed(node_cluster, ns, tls) as pods:
@@ -108,7 +118,9 @@ def test_a_capture_of_the_pod_network_shows_no_bearer_token(node_cluster: Cluste
         with Capture(devnode.BRIDGE, devnode.POD_SUBNET) as cap:
             put = producer.call("put", key="w", name="weights", seed=7)  # the operator materializes
             consumer.call("adopt", key="w", shared=producer.call("share", key="w", pod="consumer")["shared"])
-            assert consumer.call("fetch", key="w")["digest"] == put["digest"]  # read ticket at producer's agent
+            assert consumer.call("fetch", key="w")["digest"] == put["digest"]  # the hand-off's grant: NIXL only
+            # By address: a read ticket at the producer's agent, the reader's token in the request.
+            assert consumer.call("fetch", key="w", ticket=True)["digest"] == put["digest"]
             producer.call("release", key="w")
             consumer.call("release", key="w")
             wait_until(lambda: gpuobjects(pods) == [], "weights freed by the operator", 120, 0.5)

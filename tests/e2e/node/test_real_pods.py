@@ -8,32 +8,36 @@ machine); its identity, token mount, ports, probes and securityContext are used 
 
 from __future__ import annotations
 
+import base64
 import copy
+import http.client
 import json
 import re
+import socket
+import ssl
 import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from gpuobj_contract import metric_names
+from gpuobj_contract import agent_tls, metric_names
 from gpuobj_dev import images
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.waits import wait_until
 from tests.e2e.deploy.support import CHART, DEPLOY
-from tests.e2e.node.conftest import Pods
+from tests.e2e.node.conftest import Pods, dump_cluster
 
 pytestmark = [pytest.mark.node, pytest.mark.timeout(1200)]
 
 DRIVER = Path(__file__).with_name("workload_driver.py")
 RELEASE = "gpuobj"
 SYSTEM_NS = "gpuobj-system"
+AGENT_PORT = 8471  # the container port named gpuobj-agent in the example
 
 
-def chart_values(workload_ns: str, *, tls: bool = False) -> dict:
-    """The chart's values for these tests. TLS to agents is off here: on the real node, put/share/fetch with
-    the chart's default TLS on failed in its first run (2026-12-02), cause not yet found."""
+def chart_values(workload_ns: str, *, tls: bool = True) -> dict:
+    """The chart's values for these tests; TLS to agents as asked (on: the chart's default)."""
     repository, tag = images.OPERATOR_IMAGE.rsplit(":", 1)
     return {
         "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
@@ -42,7 +46,7 @@ def chart_values(workload_ns: str, *, tls: bool = False) -> dict:
     }
 
 
-def workload_docs(pod_names: list[str], *, tls: bool = False) -> list[dict]:
+def workload_docs(pod_names: list[str], *, tls: bool = True) -> list[dict]:
     """deploy/examples/workload-pod.yaml: its ServiceAccount and RoleBinding, and one Pod per name (with TLS
     off, its agent serves plain HTTP and its probes say so)."""
     docs = [d for d in yaml.safe_load_all((DEPLOY / "examples" / "workload-pod.yaml").read_text()) if d]
@@ -68,6 +72,18 @@ def workload_docs(pod_names: list[str], *, tls: bool = False) -> list[dict]:
     return out
 
 
+class _VerifiedHTTPS(http.client.HTTPSConnection):
+    """HTTPS to an IP that verifies the certificate for another name (the agent's pod DNS name)."""
+
+    def __init__(self, ip: str, port: int, server_hostname: str, context: ssl.SSLContext) -> None:
+        super().__init__(ip, port, timeout=10, context=context)
+        self.server_hostname = server_hostname
+
+    def connect(self) -> None:
+        sock = socket.create_connection((self.host, self.port), self.timeout)
+        self.sock = self._context.wrap_socket(sock, server_hostname=self.server_hostname)  # type: ignore[attr-defined]
+
+
 class Workload:
     """One workload pod, driven over its test-only HTTP API on the pod IP."""
 
@@ -78,6 +94,32 @@ class Workload:
     @property
     def ip(self) -> str:
         return self.pods.pod(self.name)["status"]["podIP"]
+
+    def agent_get(self, path: str) -> bytes:
+        """GET on this pod's agent port as the example's probes do: HTTPS when its agent serves TLS (then the
+        certificate is verified against the chart's agent CA, for the name `<pod uid>.pod.gpuobj.io`)."""
+        pod = self.pods.pod(self.name)
+        (container,) = pod["spec"]["containers"]
+        mode = next((e.get("value") for e in container["env"] if e["name"] == "GPUOBJ_AGENT_TLS"), "off")
+        ip = pod["status"]["podIP"]
+        if mode == "off":
+            conn: http.client.HTTPConnection = http.client.HTTPConnection(ip, AGENT_PORT, timeout=10)
+        else:
+            ca = base64.b64decode(
+                Pods(self.pods.cluster, SYSTEM_NS).get("secret", f"{RELEASE}-{agent_tls.CA_SECRET_SUFFIX}")["data"][
+                    "tls.crt"
+                ]
+            )
+            name = agent_tls.pod_dns_name(pod["metadata"]["uid"])
+            conn = _VerifiedHTTPS(ip, AGENT_PORT, name, ssl.create_default_context(cadata=ca.decode()))
+        try:
+            conn.request("GET", path)
+            r = conn.getresponse()
+            body = r.read()
+            assert r.status == 200, f"GET {path} at {self.name}'s agent: {r.status} {body[:300]!r}"
+            return body
+        finally:
+            conn.close()
 
     def call(self, op: str, **args) -> dict:
         req = urllib.request.Request(
@@ -90,8 +132,7 @@ class Workload:
             raise AssertionError(f"{self.name} {op} failed: {e.read().decode()}") from None
 
     def store_bytes(self) -> float:
-        with urllib.request.urlopen(f"http://{self.ip}:8471/metrics", timeout=10) as r:
-            text = r.read().decode()
+        text = self.agent_get("/metrics").decode()
         found = re.findall(rf"^{metric_names.AGENT_STORE_BYTES}(?:{{[^}}]*}})? (\S+)$", text, flags=re.M)
         return sum(float(v) for v in found)
 
@@ -126,9 +167,13 @@ def e2e(node_cluster: ClusterHandle):
         timeout=700,
     )
     try:
-        pods.apply(*workload_docs(["producer", "consumer"]))
-        for name in ("producer", "consumer"):
-            pods.wait_ready(name, timeout=600)
+        try:
+            pods.apply(*workload_docs(["producer", "consumer"]))
+            for name in ("producer", "consumer"):
+                pods.wait_ready(name, timeout=600)
+        except BaseException:
+            dump_cluster(node_cluster, "the workload pods did not become Ready")
+            raise
         print("\n" + node_cluster.kubectl("get", "pods", "-A", "-o", "wide").stdout)
         yield pods
     finally:
