@@ -28,7 +28,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench._agents import runtime_factory  # noqa: E402  (the shared in-process agents)
+from bench._agents import reader_token, runtime_factory  # noqa: E402  (the shared in-process agents)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        runtime = runtime_factory(tmp)
+        runtime, token = runtime_factory(tmp), reader_token()
 
         for population in (int(p) for p in args.populations.split(",")):
             src, dst = runtime("src"), runtime("dst")
@@ -63,11 +63,11 @@ def main(argv: list[str] | None = None) -> int:
                     src.put(f"c-{i}", [torch.ones(1024)])
                     exposed = i % 2 == 0
                     if exposed:
-                        dst.fetch(src.endpoint, f"c-{i}", token="bench")
+                        dst.fetch(src.endpoint, f"c-{i}", token=token)
                     t0 = time.perf_counter()
                     src.free(f"c-{i}")
                     (seen if exposed else unseen).append(time.perf_counter() - t0)
-                dst.fetch(src.endpoint, "live-0", token="bench")
+                dst.fetch(src.endpoint, "live-0", token=token)
                 t0 = time.perf_counter()
                 result = src.free("live-0", wait_fence=True)
                 forced = time.perf_counter() - t0

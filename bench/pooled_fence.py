@@ -30,7 +30,7 @@ from gpuobj.client.state_dicts import PackPool, plan
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench._agents import runtime_factory  # noqa: E402  (the shared in-process agents)
+from bench._agents import reader_token, runtime_factory  # noqa: E402  (the shared in-process agents)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        runtime = runtime_factory(tmp)
+        runtime, token = runtime_factory(tmp), reader_token()
 
         src, dst = runtime("src"), runtime("dst")
         try:
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                         if mode == "read":
                             for n in ("fetch1", "fetch2"):
                                 t0 = time.perf_counter()
-                                [got] = dst.fetch(src.endpoint, oid, token="bench")
+                                [got] = dst.fetch(src.endpoint, oid, token=token)
                                 t[n].append(time.perf_counter() - t0)
                                 assert got[0].item() == float(i)
                                 del got
