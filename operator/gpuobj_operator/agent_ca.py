@@ -200,12 +200,14 @@ class ClientCertificate:
     Agents accept the operator's token only over a connection whose client certificate names the same
     ServiceAccount (`spiffe://gpuobj.io/ns/<ns>/sa/<name>`): a token replayed without this key is refused.
     `context` is one SSLContext for the operator's life; `maybe_renew` loads a fresh certificate into it.
+    The key touches disk only while `load_cert_chain` reads it (a private temporary folder, removed at once),
+    unless `folder` is given: no operator key is left behind when the process ends.
     """
 
     def __init__(self, ca: CertificateAuthority, namespace: str, name: str, *, folder: Path | None = None) -> None:
         self.ca = ca
         self.uri = agent_tls.service_account_uri(namespace, name)
-        self._dir = folder or Path(tempfile.mkdtemp(prefix="gpuobj-operator-tls-"))
+        self._dir = folder
         self.context = ssl.create_default_context(cadata=ca.cert_pem.decode())
         self.context.minimum_version = ssl.TLSVersion.TLSv1_2
         self.renew_at = dt.datetime.min.replace(tzinfo=dt.UTC)
@@ -218,7 +220,16 @@ class ClientCertificate:
         key = ec.generate_private_key(ec.SECP256R1())
         life = dt.timedelta(seconds=agent_tls.MAX_LIFETIME_SECONDS)
         cert = self.ca.issue(key.public_key(), common_name=self.uri, uris=(self.uri,), lifetime=life, now=now)
-        key_file, cert_file = self._dir / "tls.key", self._dir / "tls.crt"
+        if self._dir is not None:
+            self._write_and_load(self._dir, key, cert)
+        else:
+            with tempfile.TemporaryDirectory(prefix="gpuobj-operator-tls-") as folder:
+                self._write_and_load(Path(folder), key, cert)
+        self.renew_at = now + life * agent_tls.RENEW_FRACTION
+
+    def _write_and_load(self, folder: Path, key: ec.EllipticCurvePrivateKey, cert: bytes) -> None:
+        """ssl loads a chain only from files: write them (the key 0600) and load them into `context`."""
+        key_file, cert_file = folder / "tls.key", folder / "tls.crt"
         key_file.write_bytes(
             key.private_bytes(
                 serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
@@ -227,4 +238,3 @@ class ClientCertificate:
         key_file.chmod(0o600)
         cert_file.write_bytes(cert + self.ca.cert_pem)
         self.context.load_cert_chain(str(cert_file), str(key_file))
-        self.renew_at = now + life * agent_tls.RENEW_FRACTION

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import tempfile
 
 import pytest
 from cryptography import x509
@@ -14,7 +15,7 @@ from cryptography.hazmat.primitives import serialization
 
 from gpuobj_agent.tls import make_request, split_chain
 from gpuobj_contract import agent_tls, names
-from gpuobj_operator.agent_ca import BadRequest, CertificateAuthority, parse_request
+from gpuobj_operator.agent_ca import BadRequest, CertificateAuthority, ClientCertificate, parse_request
 from gpuobj_operator.signer import decide, pending, requester
 
 UID = "0b6c4c1e-7d1a-4c2e-9a57-3f0d9a4e2b10"
@@ -150,3 +151,13 @@ def test_issued_certificate_verifies_against_the_ca_for_the_pod_name_only() -> N
         split_chain(leaf_pem)  # a chain without its CA is refused
     assert CertificateAuthority.from_pem(ca.cert_pem, ca.key_pem()).cert == ca.cert
     assert key_pem.startswith(b"-----BEGIN PRIVATE KEY-----")
+
+
+def test_the_operators_client_key_is_not_left_on_disk(tmp_path, monkeypatch) -> None:
+    """The operator's mTLS key is written only while ssl loads it: a renewal leaves no key file behind
+    (before, every operator start left `gpuobj-operator-tls-*/tls.key` in the temp folder for good)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cert = ClientCertificate(CertificateAuthority.generate(), "gpuobj-system", "gpuobj-operator")
+    cert.maybe_renew(dt.datetime.now(dt.UTC) + dt.timedelta(days=1))  # due: a fresh key, loaded the same way
+    assert list(tmp_path.iterdir()) == []
+    assert cert.context.cert_store_stats()["x509_ca"] >= 1
