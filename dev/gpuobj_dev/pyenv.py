@@ -5,13 +5,20 @@ every clean clone and CI run pay minutes and gigabytes, so the pinned dependenci
 in ``~/.cache/gpuobj/pyenv/<hash of the pins>/`` and are installed once. Each checkout
 gets a small ``.venv`` (seconds to create) whose ``.pth`` file points at that shared
 site-packages, and an editable install of gpuobj itself. Standard library only.
+
+An environment is keyed on the pins, so a pin change makes a new one (~6 GB) and would leave the old
+one behind for good. Each set-up notes when it used its environment, and removes the others that no
+checkout is likely to need again (``prune_environments``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -27,6 +34,12 @@ EXTRAS = ("agent", "operator", "test", "observability")
 DEPS_PTH = "_gpuobj_shared_deps.pth"
 # Folders (besides the checkout itself, for `gpuobj`) that hold one importable package each.
 SOURCE_ROOTS = ("contract", "kube", "agent", "operator", "dev")
+LAST_USED = ".last-used"  # touched by every set-up that uses the environment
+# Kept besides the environment in use: the most recently used other one (a checkout of another branch
+# switches back), and any used within this long (another checkout may be running tests with it now).
+KEEP_OTHERS = 1
+KEEP_USED_WITHIN_S = 6 * 3600.0
+LOCK_WAIT_S = 1800.0  # a first install on a slow network takes minutes; beyond this, say so and stop
 
 
 def pinned_requirements(extras: tuple[str, ...] = EXTRAS) -> list[str]:
@@ -54,12 +67,42 @@ def _check(cmd: list[str], what: str, **kw) -> None:
         raise SystemExit(f"error: {what} failed (exit {rc}): {' '.join(cmd)}")
 
 
+@contextlib.contextmanager
+def _exclusive(root: Path = PYENV_ROOT):
+    """One set-up at a time per machine: a second one (another clone, CI) waits here rather than take
+    the first one's half-made environment for an interrupted install and remove it."""
+    root.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + LOCK_WAIT_S
+    said = False
+    with open(root / ".lock", "w") as lock:
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise SystemExit(
+                        f"error: another gpuobj set-up held {root / '.lock'} for {LOCK_WAIT_S:.0f}s"
+                    ) from None
+                if not said:
+                    print("gpuobj setup: another set-up is installing the shared environment; waiting", flush=True)
+                    said = True
+                time.sleep(1.0)
+        yield
+
+
 def ensure_shared_deps(extras: tuple[str, ...] = EXTRAS) -> Path:
     """Create (once) the cached virtualenv holding the pinned dependencies; return it."""
+    with _exclusive():
+        return _ensure_shared_deps(extras)
+
+
+def _ensure_shared_deps(extras: tuple[str, ...]) -> Path:
     reqs = pinned_requirements(extras)
     venv = PYENV_ROOT / deps_key(reqs)
     marker = venv / ".complete"
     if marker.is_file():
+        (venv / LAST_USED).touch()
         return venv
     started = time.monotonic()
     if venv.exists():  # an earlier install was interrupted
@@ -71,8 +114,44 @@ def ensure_shared_deps(extras: tuple[str, ...] = EXTRAS) -> Path:
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--progress-bar", "on"]
     _check([*pip, *reqs], "install pinned dependencies")
     marker.write_text(f"installed in {time.monotonic() - started:.0f}s\n")
+    (venv / LAST_USED).touch()
     print(f"gpuobj setup: dependencies installed in {time.monotonic() - started:.0f}s", flush=True)
     return venv
+
+
+def last_used(venv: Path) -> float:
+    """When a set-up last used ``venv`` (its install, for environments made before the marker existed)."""
+    for marker in (LAST_USED, ".complete"):
+        if (venv / marker).exists():
+            return (venv / marker).stat().st_mtime
+    return venv.stat().st_mtime  # an install that never finished
+
+
+def prunable(environments: dict[Path, float], in_use: Path, now: float) -> list[Path]:
+    """Which of ``environments`` (path -> last used) to remove: all but the one in use, the
+    ``KEEP_OTHERS`` most recently used others, and any used within ``KEEP_USED_WITHIN_S``."""
+    others = sorted((p for p in environments if p != in_use), key=lambda p: environments[p], reverse=True)
+    return [p for p in others[KEEP_OTHERS:] if now - environments[p] > KEEP_USED_WITHIN_S]
+
+
+def _size_gb(path: Path) -> float:
+    total = sum(f.lstat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+    return total / 1e9
+
+
+def prune_environments(in_use: Path, root: Path = PYENV_ROOT) -> list[Path]:
+    """Remove the cached environments ``prunable`` names, saying what each freed."""
+    environments = {p: last_used(p) for p in root.iterdir() if p.is_dir()}
+    now = time.time()
+    removed = prunable(environments, in_use, now)
+    for venv in removed:
+        idle_days = (now - environments[venv]) / 86400
+        size = _size_gb(venv)
+        shutil.rmtree(venv, ignore_errors=True)
+        print(
+            f"gpuobj setup: removed the unused environment {venv} ({size:.1f} GB, last used {idle_days:.1f} days ago)"
+        )
+    return removed
 
 
 def ensure_local_venv(shared: Path) -> Path:
@@ -106,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     if sys.version_info < (3, 11):  # noqa: UP036 - runs under whatever python3 the machine has
         raise SystemExit(f"error: gpuobj needs Python 3.11+, this is {sysconfig.get_python_version()}")
     shared = ensure_shared_deps()
+    with _exclusive():
+        prune_environments(shared)
     if args.print_shared:
         print(shared)
         return 0
