@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._cluster import PUT_MANY, count_ready, one_namespace, rss_mib, start_workload  # noqa: E402  (the shared start-up)
+from gpuobj_dev.testing.agent_tls import PLAIN  # noqa: E402
 from gpuobj_dev.testing.operator import OperatorProcess  # noqa: E402
 
 NAMESPACE = "gpuobj-scale"
@@ -35,9 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     with one_namespace(NAMESPACE, "gpuobj-scale-") as run:
         handle, identities, procs = run.handle, run.identities, run.procs
         op = identities.operator()
-        src, _ = start_workload(
-            handle, NAMESPACE, "src", lambda uid: identities.workload("src", uid), identities.workload_env
-        )
+        # Plain HTTP: the workload starts before any operator (a TLS agent would wait for the signer), and
+        # what is measured is the operator's sync and audit at N objects (TLS per request: bench/agent_tls.py).
+        env = {**identities.workload_env, **PLAIN}
+        src, _ = start_workload(handle, NAMESPACE, "src", lambda uid: identities.workload("src", uid), env)
         procs.append(src)
         src.run(PUT_MANY)
         t0 = time.perf_counter()
@@ -45,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# put {n} objects (agent put + GPUObject create) in {time.perf_counter() - t0:.1f}s", flush=True)
 
         extra = ["--namespace", NAMESPACE, "--lease-seconds", "5", "--audit-interval", "5", "--status-delay", "0"]
+        extra += ["--agent-tls", "off"]
         first = OperatorProcess(
             op.kubeconfig, op.agent_token, identity="op-1", lease_namespace=NAMESPACE, extra_args=extra
         )

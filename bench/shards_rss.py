@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._cluster import PUT_MANY, count_ready, one_namespace, rss_mib, start_workload  # noqa: E402  (the shared start-up)
+from gpuobj_dev.testing.agent_tls import PLAIN  # noqa: E402
 from gpuobj_dev.testing.clusterwide import operator_home  # noqa: E402
 from gpuobj_dev.testing.operator import OperatorProcess  # noqa: E402
 from gpuobj_operator.shards import shard_of  # noqa: E402
@@ -35,13 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     with one_namespace(NAMESPACE, "gpuobj-shards-") as run:
         handle, identities, procs, state = run.handle, run.identities, run.procs, run.state
         with operator_home(handle, state / "operator", ("operator.shards=2",)) as home:
-            env = {**identities.workload_env, "GPUOBJ_OPERATOR_SERVICEACCOUNT": home.subject}
+            # Plain HTTP: the workload starts before the operators (a TLS agent would wait for the signer).
+            env = {**identities.workload_env, **PLAIN, "GPUOBJ_OPERATOR_SERVICEACCOUNT": home.subject}
             src, _ = start_workload(handle, NAMESPACE, "src", lambda uid: identities.workload("src", uid), env)
             procs.append(src)
             ops: list[OperatorProcess] = []
             for i in range(2):
                 op = home.operator(
-                    f"op-shard-{i}", ("--shard-count", "2", "--shard-index", str(i), "--status-delay", "0")
+                    f"op-shard-{i}",
+                    ("--shard-count", "2", "--shard-index", str(i), "--status-delay", "0", "--agent-tls", "off"),
                 )
                 procs.append(op)
                 ops.append(op)

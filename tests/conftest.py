@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpuobj_dev.cluster import DevCluster
+from gpuobj_dev.testing import agent_http
 from gpuobj_dev.testing.cluster import ClusterHandle
 
 CLUSTER_FIXTURES = {"dev_cluster", "gpuobj_cluster"}
@@ -41,6 +42,8 @@ def dev_cluster() -> Iterator[ClusterHandle]:
 def gpuobj_cluster(dev_cluster: ClusterHandle) -> ClusterHandle:
     """The control plane with gpuobj's CRDs installed from crds/."""
     dev_cluster.apply_crds()
+    # Agents serve TLS by default: the harness reads each namespace's agent CA as the cluster admin.
+    agent_http.use_agent_ca(agent_http.ca_from_secret(lambda *args: dev_cluster.kubectl(*args).stdout))
     return dev_cluster
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ssl
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
@@ -144,6 +145,12 @@ class AgentRuntime:
     def serves_tls(self) -> bool:
         """This agent serves (and calls other agents over) TLS: GPUOBJ_AGENT_TLS=csr."""
         return self.agent.certificate is not None
+
+    def client_tls(self) -> ssl.SSLContext | None:
+        """What this pod presents when it calls another agent: the agent CA to trust and its own certificate
+        (None when it serves plain HTTP)."""
+        fetcher = self.agent.fetcher
+        return fetcher.tls() if fetcher is not None else None
 
     @property
     def incarnation(self) -> str:

@@ -18,6 +18,7 @@ MIN_LIFETIME_SECONDS = 600  # the CSR API's own floor for spec.expirationSeconds
 RENEW_FRACTION = 2 / 3
 # The Secret (in the operator's namespace) holding the CA key and certificate: created once by the operator.
 CA_SECRET_SUFFIX = "agent-ca"
+CA_SECRET_LABELS = {"app.kubernetes.io/component": "agent-ca"}  # on the CA Secret the operator creates
 DNS_SUFFIX = "pod.gpuobj.io"
 SPIFFE_TRUST_DOMAIN = "gpuobj.io"
 # Every CSR an agent makes is named with this prefix (and its pod uid): the operator lists nothing else.

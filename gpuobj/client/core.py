@@ -34,7 +34,7 @@ from gpuobj.client.state_dicts import Entries, PackPool, is_state_dict, unpack
 from gpuobj.client.writebehind import Record, WriteBehind
 from gpuobj_agent.layouts import layout_of
 from gpuobj_contract import agent_api as api
-from gpuobj_contract import names
+from gpuobj_contract import agent_tls, names
 from gpuobj_contract import resources as crd
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, Conflict, KubeClient, NotFound
 from gpuobj_kube.config import KubeConfig
@@ -585,7 +585,7 @@ class ClientCore:
                 claim_name=shared.claim_name,
                 claim_uid=shared.claim_uid,
                 grant=shared.grant,
-                via=shared.release_via,
+                via=(shared.release_via, shared.address.source_pod_uid) if shared.release_via else None,
                 expires_at=shared.expires_at,
             )
         )
@@ -621,13 +621,15 @@ class ClientCore:
         except (NotFound, Conflict):
             pass  # already gone, or a successor of the same name that is not ours
 
-    async def _process_release(self, kind: str, namespace: str, name: str, uid: str, via: str | None) -> None:
+    async def _process_release(
+        self, kind: str, namespace: str, name: str, uid: str, via: tuple[str, str] | None
+    ) -> None:
         if self.wb is None:
             await self._delete(kind, namespace, name, uid)
             return
         # A hand-off: the source queued this claim, so the source takes its release (it may never
         # have been recorded). If the source does not know it (restarted) or is gone, delete it here.
-        if kind == "claim" and via and via != self.agent.endpoint and await self._release_at_source(via, name):
+        if kind == "claim" and via and via[0] != self.agent.endpoint and await self._release_at_source(via, name):
             return
         outcome = self.wb.release(kind, namespace, name, uid)
         if outcome.free_object_id is not None:
@@ -637,28 +639,37 @@ class ClientCore:
         """Free an object of our own agent that nothing recorded (elided, or its record was refused)."""
         await self.agent.afree(object_id)
 
-    async def _release_at_source(self, via: str, claim: str) -> bool:
+    async def _release_at_source(self, via: tuple[str, str], claim: str) -> bool:
+        """Send a hand-off claim's release to the source agent that queued it (it may never have been
+        recorded: the source drops it unwritten). Over TLS the source is verified as the pod it means, and
+        this pod presents its own certificate with its token. False: delete it in the API instead."""
         import aiohttp
 
+        endpoint, pod_uid = via
+        tls = None
         if getattr(self.agent, "serves_tls", False):
-            # Over TLS a request must name the source pod's uid, which a release does not carry: the claim is
-            # deleted in the API instead (the path a restarted source takes too), never sent unverified.
-            return False
+            tls = self.agent.client_tls()
+            if tls is None or not pod_uid:
+                return False  # never send a token to a listener we cannot hold to a pod
         if self._http is None:
             self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32))
         token = self.token()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if pod_uid:
+            headers[names.HEADER_POD_UID] = pod_uid
+        verify: dict[str, Any] = {"ssl": tls, "server_hostname": agent_tls.pod_dns_name(pod_uid)} if tls else {}
         try:
             async with self._http.post(
-                f"http://{via}{api.RELEASE_HANDOFF.path(claim=claim)}",
+                f"{'https' if tls else 'http'}://{endpoint}{api.RELEASE_HANDOFF.path(claim=claim)}",
                 json={},
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=HANDOFF_RELEASE_TIMEOUT),
+                **verify,
             ) as resp:
                 await resp.read()
                 return resp.status == 200
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            log.debug("hand-off release of %s at %s: %s; deleting it in the API", claim, via, exc)
+            log.debug("hand-off release of %s at %s: %s; deleting it in the API", claim, endpoint, exc)
             return False
 
     async def handoff_sink(self, claim: str, pod: str) -> bool:

@@ -75,7 +75,7 @@ class ObjectRef:
         claim_uid: str | None = None,
         record: Any = None,
         grant: dict | None = None,
-        via: str | None = None,
+        via: tuple[str, str] | None = None,
         expires_at: float | None = None,
     ) -> None:
         self.address = address
@@ -84,7 +84,8 @@ class ObjectRef:
         self.claim_name = claim_name
         self.claim_uid = claim_uid
         self.grant = grant  # a read grant from the source (hand-off): fetch needs no request
-        self.via = via  # where a hand-off claim's release goes: the source agent that queued it
+        # where a hand-off claim's release goes: (endpoint, pod uid) of the source agent that queued it
+        self.via = via
         self._record = record  # the write-behind record, while this process writes it
         self._finalizer: weakref.finalize | None = None
         if release is not None and kind == "owner":

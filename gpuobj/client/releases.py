@@ -19,7 +19,8 @@ from collections.abc import Awaitable, Callable
 
 log = logging.getLogger("gpuobj.client")
 
-Release = tuple[str, str, str, str, "str | None"]  # (kind, namespace, name, uid, via)
+# (kind, namespace, name, uid, via): via is a hand-off claim's source agent, (endpoint, pod uid)
+Release = tuple[str, str, str, str, "tuple[str, str] | None"]
 ProcessFn = Callable[[str, str, str, str, "str | None"], Awaitable[None]]
 
 
@@ -37,7 +38,7 @@ class ReleaseQueue:
         self._deferred: dict[str, list[Release]] = {}  # releases waiting for those fetches
 
     # -- any thread ------------------------------------------------------------------------
-    def put(self, kind: str, namespace: str, name: str, uid: str, via: str | None = None) -> None:
+    def put(self, kind: str, namespace: str, name: str, uid: str, via: tuple[str, str] | None = None) -> None:
         """Called by a handle's finalizer: queue plain data, never block, never raise."""
         self._queue.put((kind, namespace, name, uid, via))
         self._wake()

@@ -160,7 +160,7 @@ async def load_or_create(kube: KubeClient, namespace: str, name: str) -> Certifi
     except NotFound:
         ca = CertificateAuthority.generate()
         body = {
-            "metadata": {"name": name, "labels": {"app.kubernetes.io/component": "agent-ca"}},
+            "metadata": {"name": name, "labels": dict(agent_tls.CA_SECRET_LABELS)},
             "type": "kubernetes.io/tls",
             "data": {
                 "tls.crt": base64.b64encode(ca.cert_pem).decode(),

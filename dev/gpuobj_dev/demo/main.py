@@ -25,6 +25,7 @@ from typing import Any
 
 from gpuobj_contract import metric_names as m
 from gpuobj_dev.cluster import DEFAULT_STATE_DIR, DevCluster
+from gpuobj_dev.testing import agent_http, agent_tls
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.identities import OPERATOR_SA, WORKLOAD_SA, credentials, install_identities, operator_subject
 from gpuobj_dev.testing.operator import OperatorProcess
@@ -100,6 +101,8 @@ class Demo:
             if not self.args.keep and not already:
                 self.stack.callback(cluster.down, quiet=True)
             self.cluster = ClusterHandle(cluster, state)
+            # Agents serve TLS (as the chart runs them): what looks at them reads the agent CA as admin.
+            agent_http.use_agent_ca(agent_http.ca_from_secret(lambda *a: self.cluster.kubectl(*a).stdout))
         with self.step("installing the CRDs from crds/, a fresh namespace and the chart's ServiceAccounts and RBAC"):
             self.cluster.apply_crds()
             self._fresh_namespace()
@@ -108,7 +111,12 @@ class Demo:
             self.identities = state_dir / "identities"
             self.operator_creds = credentials(self.cluster, NAMESPACE, OPERATOR_SA, self.identities / "operator")
             self.stack.callback(self.operator_creds.stop)
-        with self.step("starting the operator and three workload pods"):
+        tls = (
+            "TLS to every agent, each with a certificate from the operator's signer"
+            if agent_tls.enabled()
+            else "plain HTTP"
+        )
+        with self.step(f"starting the operator and three workload pods ({tls})"):
             op = OperatorProcess(
                 self.operator_creds.kubeconfig,
                 self.operator_creds.agent_token,
@@ -141,7 +149,10 @@ class Demo:
 
             operator_addr = self.operator.metrics_url.removeprefix("http://")  # type: ignore[union-attr]
             agents = {w.endpoint: {"namespace": NAMESPACE, "pod": name} for name, w in self.workloads.items()}
-            self.prom = Prometheus({OPERATOR_JOB: [operator_addr], AGENT_JOB: list(agents)}, target_labels=agents)
+            tls = frozenset({AGENT_JOB}) if agent_tls.enabled() else frozenset()
+            self.prom = Prometheus(
+                {OPERATOR_JOB: [operator_addr], AGENT_JOB: list(agents)}, target_labels=agents, https_jobs=tls
+            )
             self.stack.callback(self.prom.stop)
             self.prom.start()
             self.prom.wait_targets_up(timeout=30)

@@ -33,11 +33,14 @@ def scrape_config(
     interval: str = "1s",
     target_labels: Mapping[str, Mapping[str, str]] | None = None,
     honor_labels_jobs: frozenset[str] = HONOR_LABELS_JOBS,
+    https_jobs: frozenset[str] = frozenset(),
 ) -> dict:
     """A Prometheus config: one static job per key of ``targets`` (job -> host:port list).
 
     ``target_labels`` maps a target address to extra target labels (e.g. the ``namespace``
     and ``pod`` Kubernetes discovery would add), so tests can reproduce the collision.
+    ``https_jobs`` scrape over HTTPS without checking the certificate, as the chart's PodMonitor
+    scrapes TLS agents: /metrics is public and the scraper sends no credential.
     """
     labels = target_labels or {}
     jobs = []
@@ -50,6 +53,7 @@ def scrape_config(
                 "scrape_interval": interval,
                 "scrape_timeout": interval,
                 "static_configs": static,
+                **({"scheme": "https", "tls_config": {"insecure_skip_verify": True}} if job in https_jobs else {}),
             }
         )
     return {

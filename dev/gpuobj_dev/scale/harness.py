@@ -135,7 +135,9 @@ class ScaleHarness:
             self._op_creds.agent_token,
             identity=f"op-{self.operator_starts}",
             lease_namespace=self.namespace,
-            extra_args=["--namespace", self.namespace, *self.operator_args],
+            # The fleet's stand-in agents serve plain HTTP: the per-event cost of the operator is what is
+            # measured here (TLS per request: bench/agent_tls.py).
+            extra_args=["--namespace", self.namespace, "--agent-tls", "off", *self.operator_args],
         )
         # Agents are reached at status.podIP, as in production: no host from an annotation.
         op.args.remove("--allow-agent-host-annotation")

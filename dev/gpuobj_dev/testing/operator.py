@@ -13,6 +13,7 @@ import urllib.request
 from collections import deque
 from pathlib import Path
 
+from gpuobj_dev.testing import agent_tls
 from gpuobj_dev.testing.processes import terminate
 from gpuobj_dev.testing.waits import wait_until
 
@@ -50,7 +51,8 @@ class OperatorProcess:
             # The dev control plane has no pod network: agents listen on loopback at the port the
             # pod's annotations name. Production operators never take a host from an annotation.
             "--allow-agent-host-annotation",
-            *(extra_args or []),
+            # TLS to agents as the harness runs them (on by default, as the chart), unless extra_args say.
+            *agent_tls.operator_args(extra_args or []),
         ]
         self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.identity = identity

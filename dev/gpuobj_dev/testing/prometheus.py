@@ -72,6 +72,7 @@ class Prometheus:
         *,
         target_labels: Mapping[str, Mapping[str, str]] | None = None,
         honor_labels_jobs: frozenset[str] = HONOR_LABELS_JOBS,
+        https_jobs: frozenset[str] = frozenset(),
         rule_files: Sequence[Path] = (),
         scrape_interval: str = "1s",
         binary: Path | None = None,
@@ -79,6 +80,7 @@ class Prometheus:
         self.targets = {job: list(addrs) for job, addrs in (targets or {}).items()}
         self.target_labels = dict(target_labels or {})
         self.honor_labels_jobs = honor_labels_jobs
+        self.https_jobs = https_jobs
         self.rule_files = [Path(p).resolve() for p in rule_files]
         self.scrape_interval = scrape_interval
         self.binary = binary
@@ -104,6 +106,7 @@ class Prometheus:
             interval=self.scrape_interval,
             target_labels=self.target_labels,
             honor_labels_jobs=self.honor_labels_jobs,
+            https_jobs=self.https_jobs,
         )
         if self.rule_files:
             cfg["rule_files"] = [str(p) for p in self.rule_files]

@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from gpuobj_dev.testing import agent_http
+from gpuobj_dev.testing import agent_http, agent_tls
 from gpuobj_dev.testing.processes import terminate
 
 BOOTSTRAP = r"""
@@ -119,6 +119,7 @@ class WorkloadProcess:
             "GPUOBJ_AGENT_PORT": str(port),
             "GPUOBJ_TOKEN_FILE": str(token_file),
             "KUBECONFIG": str(kubeconfig),
+            **agent_tls.workload_env(),  # the harness default (TLS on, as the chart); `env` may say otherwise
             **(env or {}),
         }
         self.proc: subprocess.Popen[str] | None = None
@@ -136,7 +137,12 @@ class WorkloadProcess:
         )
         threading.Thread(target=self._read, daemon=True).start()
         self.expect("ready", timeout=ready_timeout)
-        agent_http.register(self.endpoint, self.env["GPUOBJ_POD_UID"])
+        agent_http.register(
+            self.endpoint,
+            self.env["GPUOBJ_POD_UID"],
+            self.env["GPUOBJ_POD_NAMESPACE"],
+            tls=agent_tls.serves_tls(self.env),
+        )
         return self
 
     @property

@@ -116,7 +116,9 @@ def test_every_operator_panel_and_rule_query_answers_from_the_real_operator(
 ) -> None:
     # A namespace quota (far above what this scenario holds), so the quota panel has its series.
     quota = ["--namespace-quota", f"{namespace}=1Gi"]
-    operator = start_operator(gpuobj_cluster, token_file, namespace, extra=quota).wait_ready()
+    # Plain HTTP: the failing free's "agent" is the operator's own HTTP port (its 404 is the failure shown).
+    plain = ["--agent-tls", "off"]
+    operator = start_operator(gpuobj_cluster, token_file, namespace, extra=[*quota, *plain]).wait_ready()
     address = urlsplit(operator.metrics_url).netloc
     try:
         with Prometheus({OPERATOR_JOB: [address]}, target_labels={address: OPERATOR_TARGET_LABELS}) as prom:

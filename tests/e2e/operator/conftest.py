@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuobj_dev.testing.agent_tls import PLAIN
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.identities import (
     OPERATOR_SA,
@@ -84,7 +85,8 @@ def start_operator(
 def operator(
     request: pytest.FixtureRequest, gpuobj_cluster: ClusterHandle, token_file: Path, namespace: str
 ) -> Iterator[OperatorProcess]:
-    op = start_operator(gpuobj_cluster, token_file, namespace).wait_ready()
+    plain = ["--agent-tls", "off"] if plain_agents(request) else []
+    op = start_operator(gpuobj_cluster, token_file, namespace, extra=plain).wait_ready()
     yield op
     if failed(request):
         print(f"\n--- operator output ---\n{op.output()}")
@@ -93,10 +95,21 @@ def operator(
     assert rc == 0, f"operator exited {rc}:\n{op.output()}"
 
 
-class Pods:
-    """Workload pods for one test: a Pod object (no kubelet) plus a real process running the client library."""
+def plain_agents(request: pytest.FixtureRequest) -> bool:
+    """The test is marked `plain_agents`: its operator and pods run without TLS to agents."""
+    return request.node.get_closest_marker("plain_agents") is not None
 
-    def __init__(self, cluster: ClusterHandle, namespace: str, token_file: Path, folder: Path) -> None:
+
+class Pods:
+    """Workload pods for one test: a Pod object (no kubelet) plus a real process running the client library.
+
+    Their agents serve TLS with a certificate from the operator's signer (the harness default), so the
+    operator must run before a pod starts; ``plain`` pods serve plain HTTP."""
+
+    def __init__(
+        self, cluster: ClusterHandle, namespace: str, token_file: Path, folder: Path, plain: bool = False
+    ) -> None:
+        self.plain = plain
         self.cluster = cluster
         self.namespace = namespace
         self.token_file = token_file
@@ -130,7 +143,7 @@ class Pods:
         self.credentials[name] = credentials(
             self.cluster, self.namespace, WORKLOAD_SA, self.folder / name, pod=(name, self.uids[name])
         )
-        self.extra_env[name] = env or {}
+        self.extra_env[name] = {**(PLAIN if self.plain else {}), **(env or {})}
         w = self._process(name, port)
         self.workloads[name] = w
         return w.start()
@@ -174,7 +187,7 @@ class Pods:
 def pods(
     request: pytest.FixtureRequest, gpuobj_cluster: ClusterHandle, namespace: str, token_file: Path, tmp_path: Path
 ) -> Iterator[Pods]:
-    p = Pods(gpuobj_cluster, namespace, token_file, tmp_path / "pods")
+    p = Pods(gpuobj_cluster, namespace, token_file, tmp_path / "pods", plain=plain_agents(request))
     yield p
     if failed(request):
         for name, w in p.workloads.items():

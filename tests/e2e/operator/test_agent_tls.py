@@ -25,6 +25,7 @@ import pytest
 
 from gpuobj_agent.tls import AgentCertificate, Issued, client_context, make_request, request_certificate
 from gpuobj_contract import agent_tls, names
+from gpuobj_dev.testing import agent_tls as agent_tls_harness
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.identities import WORKLOAD_SA, credentials
 from gpuobj_dev.testing.operator import OperatorProcess
@@ -295,7 +296,7 @@ def test_the_operators_token_replayed_at_another_agent_is_refused(
     (readable in any GPUObject's spec.source). Before: 200 on the inventory (a plain agent still answers so,
     below). Now the token counts only over a connection whose client certificate names the operator's
     ServiceAccount: without the operator's key, 401."""
-    pods.workload("plain")
+    pods.workload("plain", env=agent_tls_harness.PLAIN)
     pods.workload("b", env=TLS_ENV)
     token = token_file.read_text().strip()
     assert _get(pods.endpoint("plain"), "/v1/objects", token, pods.uids["plain"], None) == 200  # the hole
@@ -356,3 +357,23 @@ def test_an_agent_certificate_is_renewed_before_it_expires(
 async def _renewed(cert: AgentCertificate) -> None:
     while cert.renewals == 0:  # noqa: ASYNC110 - the certificate has no event to wait on; bounded by wait_for
         await asyncio.sleep(0.05)
+
+
+def test_a_hand_off_release_goes_to_the_tls_source_verified_by_its_pod_uid(
+    gpuobj_cluster: ClusterHandle, namespace: str, tls_operator: OperatorProcess, pods: Pods
+) -> None:
+    """The receiver's release of a hand-off claim goes to the source that queued it, over HTTPS verified by
+    the source pod's uid (the shared address names it), with the receiver's own certificate. Before, over
+    TLS the receiver deleted the claim in the API itself: one more API write per hand-off, and a claim the
+    source had not recorded yet could be recorded after that delete found nothing."""
+    src, reader = pods.workload("src", env=TLS_ENV), pods.workload("reader", env=TLS_ENV)
+    src.run(
+        "ref = client.put([torch.arange(1024, dtype=torch.float32)], name='h'); s = client.share(ref, 'reader'); "
+        "client.flush(); ref.release(); client.flush()"
+    )
+    reader.run(f"h = client.adopt(load_pickle({src.eval_pickle('s')!r})); got = client.fetch(h)[0]")
+    assert reader.eval("bool(torch.equal(got, torch.arange(1024, dtype=torch.float32)))")
+    sent = reader.eval("client.write_stats()['sent']")
+    reader.run("h.release(); del got; client.flush()")
+    wait_object(gpuobj_cluster, namespace, "h", lambda o: o is None)
+    assert reader.eval("client.write_stats()['sent']") == sent  # the source took the release: the reader wrote nothing

@@ -73,6 +73,9 @@ def test_a_name_another_pod_holds_fails_the_put_with_name_taken_and_frees_the_by
     assert_api_empty(gpuobj_cluster, namespace)
 
 
+# Plain: the reader lives in another namespace, where no operator runs to sign its agent's certificate
+# (a namespaced operator answers the CSRs of its own namespace only).
+@pytest.mark.plain_agents
 def test_a_reader_of_another_namespace_hears_about_shared_with_and_a_granted_one_hears_freed_or_lost(
     gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, tmp_path: Path
 ) -> None:
@@ -86,7 +89,7 @@ def test_a_reader_of_another_namespace_hears_about_shared_with_and_a_granted_one
     )
     addresses = {name: src.eval_pickle(f"{name}.address") for name in ("opened", "doomed", "closed")}
     gpuobj_cluster.create_namespace(other)
-    readers = Pods(gpuobj_cluster, other, pods.token_file, tmp_path / other)
+    readers = Pods(gpuobj_cluster, other, pods.token_file, tmp_path / other, plain=pods.plain)
     try:
         install_identities(gpuobj_cluster, other)
         reader = readers.workload("reader")

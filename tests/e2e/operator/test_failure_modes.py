@@ -7,7 +7,6 @@ prevents") that it proves absent, and would fail if it came back.
 from __future__ import annotations
 
 import json
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -25,18 +24,15 @@ pytestmark = pytest.mark.nixl
 
 
 def _free(endpoint: str, object_id: str, token_file) -> tuple[int, dict]:
-    request = urllib.request.Request(
-        f"http://{endpoint}/v1/objects/{object_id}/free",
-        method="POST",
-        data=b"{}",
-        headers={
-            "Authorization": f"Bearer {token_file.read_text().strip()}",
-            "Content-Type": "application/json",
-            **agent_http.meant_for(endpoint),
-        },
+    status, answer = agent_http.request(
+        endpoint,
+        "POST",
+        f"/v1/objects/{object_id}/free",
+        token=token_file.read_text().strip(),
+        body=b"{}",
+        headers=agent_http.meant_for(endpoint),
     )
-    with urllib.request.urlopen(request, timeout=30) as r:
-        return r.status, json.loads(r.read())
+    return status, json.loads(answer)
 
 
 def test_owner_side_metadata_gc_leaves_nothing_and_a_repeated_free_is_a_noop(

@@ -18,6 +18,7 @@ import pytest
 
 from gpuobj_contract import metric_names as m
 from gpuobj_dev.testing import agent_http
+from gpuobj_dev.testing.agent_tls import PLAIN
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.operator import OperatorProcess
 from gpuobj_dev.testing.records import user_claims
@@ -55,8 +56,9 @@ def operators_free_path(api: KubeClient, agents: AgentClient, namespace: str) ->
 def test_the_free_path_sees_a_claim_made_before_the_deletion_that_its_watch_has_not_delivered(
     gpuobj_cluster: ClusterHandle, namespace: str, pods: Pods, token_file: Path
 ) -> None:
-    """No operator runs: the test drives the operator's own free path and plays its claims watch."""
-    src, late = pods.workload("src"), pods.workload("late")
+    """No operator runs: the test drives the operator's own free path and plays its claims watch (plain HTTP:
+    no signer runs to certify the agents, and the free path here calls them without TLS)."""
+    src, late = pods.workload("src", env=PLAIN), pods.workload("late", env=PLAIN)
     src.run(f"ref = client.put([{ARANGE}], name='w'); client.flush()")
 
     async def scenario() -> None:
@@ -151,8 +153,9 @@ def test_a_free_whose_finalizer_removal_failed_is_finished_by_its_retry_and_coun
     gpuobj_cluster: ClusterHandle, namespace: str, pods: Pods, token_file: Path
 ) -> None:
     """The agent freed the bytes, then the API timed out removing the finalizer: the retry only removes
-    the finalizer, and the free is counted and announced as freed (not as a no-op of a second free)."""
-    src = pods.workload("src")
+    the finalizer, and the free is counted and announced as freed (not as a no-op of a second free).
+    No operator runs (plain HTTP, as above)."""
+    src = pods.workload("src", env=PLAIN)
     src.run(f"ref = client.put([{ARANGE}], name='f'); client.flush(); ref.release(); client.flush()")
 
     async def scenario() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import pytest
 
@@ -16,31 +15,30 @@ pytestmark = pytest.mark.nixl
 
 
 def _agent_post(endpoint: str, path: str, token_file, method: str = "POST", body: dict | None = None) -> dict:
-    request = urllib.request.Request(
-        f"http://{endpoint}{path}",
-        method=method,
-        data=json.dumps(body or {}).encode(),
-        headers={
-            "Authorization": f"Bearer {token_file.read_text().strip()}",
-            "Content-Type": "application/json",
-            **agent_http.meant_for(endpoint),
-        },
+    status, answer = agent_http.request(
+        endpoint,
+        method,
+        path,
+        token=token_file.read_text().strip(),
+        body=json.dumps(body or {}).encode(),
+        headers=agent_http.meant_for(endpoint),
     )
-    with urllib.request.urlopen(request, timeout=30) as r:
-        return json.loads(r.read() or b"{}")
+    assert status < 300, (path, status, answer)
+    return json.loads(answer or b"{}")
 
 
 def test_operator_killed_in_the_middle_of_a_free_frees_exactly_once_after_restart(
     gpuobj_cluster: ClusterHandle, namespace: str, pods: Pods, token_file
 ) -> None:
+    # The first operator runs before the pod starts: a TLS agent waits for its signer's certificate.
+    first = start_operator(gpuobj_cluster, token_file, namespace, identity="op-a").wait_ready()
     src = pods.workload("src")
     src.run("ref = client.put([torch.ones(1 << 16)], name='weights'); oid = ref.address.object_id")
     object_id = src.eval("oid")
     # A reader is mid-transfer: the agent's free must wait for it, which holds the operator inside the free.
-    # (A read is a pod's act: the test reads with the pod's own token, as a pod of the namespace.)
+    # (A read is a pod's act: the test reads with the pod's own token and certificate, as a pod of the namespace.)
     reader_token = pods.agent_token("src")
     read = _agent_post(pods.endpoint("src"), f"/v1/objects/{object_id}/reads", reader_token, body={"reader": "test"})
-    first = start_operator(gpuobj_cluster, token_file, namespace, identity="op-a").wait_ready()
     try:
         src.run("ref.release()")
         first.wait_for_line(r"freeing .*weights", timeout=30)
