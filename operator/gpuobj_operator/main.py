@@ -337,7 +337,10 @@ async def run(args: argparse.Namespace) -> int:
     ca = None
     if args.agent_signer or args.agent_tls == "on":
         ca = await load_or_create(kube, args.lease_namespace, args.agent_ca_secret)
-    signer = Signer(kube, ca, namespace=args.namespace) if ca is not None and args.agent_signer else None
+    shard = settings_from(args).shard
+    signer = (
+        Signer(kube, ca, namespace=args.namespace, owns=shard.owns) if ca is not None and args.agent_signer else None
+    )
     if signer is not None:
         signer.start()  # every replica signs (an answer is one write; a lost race is a 409)
     client_cert = None

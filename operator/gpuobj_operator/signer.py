@@ -18,6 +18,7 @@ import base64
 import contextlib
 import datetime as dt
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,12 +138,21 @@ def _condition(kind: str, reason: str, message: str) -> dict[str, Any]:
 class Signer:
     """Watches CSRs for our signer and answers each once: approved and issued, or denied."""
 
-    def __init__(self, kube: KubeClient, ca: CertificateAuthority, *, namespace: str | None = None) -> None:
+    def __init__(
+        self,
+        kube: KubeClient,
+        ca: CertificateAuthority,
+        *,
+        namespace: str | None = None,
+        owns: Callable[[str], bool] = lambda namespace: True,
+    ) -> None:
         self.kube = kube
         self.ca = ca
         # An operator watching one namespace answers only its pods' CSRs (another release's signer, with
-        # another CA, answers the rest).
+        # another CA, answers the rest); a shard's operator only those of its shard's namespaces (shards.py:
+        # another shard's replicas answer theirs, so no CSR is answered by two shards).
         self.namespace = namespace
+        self.owns = owns
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._queued: set[str] = set()
         self._informer = Informer(kube, CSRS, self._on_csr)
@@ -152,7 +162,8 @@ class Signer:
 
     def _on_csr(self, kind: str | None, csr: dict[str, Any]) -> None:
         name = csr["metadata"]["name"]
-        if self.namespace is not None and (requester(csr) or ("",))[0] != self.namespace:
+        asked_from = (requester(csr) or ("",))[0]
+        if (self.namespace is not None and asked_from != self.namespace) or not self.owns(asked_from):
             return
         if kind != "DELETED" and pending(csr) and name not in self._queued:
             self._queued.add(name)

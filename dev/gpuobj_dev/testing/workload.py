@@ -18,6 +18,7 @@ import json
 import os
 import pickle
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -70,19 +71,38 @@ for line in sys.stdin:
 
 _HANDED_OUT: set[int] = set()
 _HANDED_OUT_LOCK = threading.Lock()
+_RANDOM = random.Random()
+
+
+def _below_ephemeral() -> range:
+    """Ports the kernel never hands out for a bind to port 0 or an outgoing connection: below
+    ip_local_port_range. An agent binds its port only once its certificate is issued (a second or so with
+    TLS), and any process's ephemeral port taken from the kernel's range could land on it meanwhile."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(10000, max(10001, low))
 
 
 def free_port() -> int:
-    """A free loopback port not handed out before by this process: a closed probe socket's port can
-    come back from the kernel at once, before the agent it was meant for has bound it."""
+    """A free loopback port not handed out before by this process, outside the kernel's ephemeral range:
+    a closed probe socket's port can come back from the kernel at once, to anyone, before the agent it was
+    meant for has bound it."""
+    ports = _below_ephemeral()
     with _HANDED_OUT_LOCK:
-        while True:
+        for _ in range(1000):
+            port = _RANDOM.choice(ports)
+            if port in _HANDED_OUT:
+                continue
             with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            if port not in _HANDED_OUT:
-                _HANDED_OUT.add(port)
-                return port
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError(f"no free loopback port in {ports.start}-{ports.stop - 1} after 1000 tries")
 
 
 def pickled(value: Any) -> str:

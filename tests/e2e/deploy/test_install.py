@@ -537,8 +537,11 @@ def test_the_operator_runs_on_the_charts_rbac_alone(
     k, r = gpuobj_cluster.kubectl, rbac_release
     sa_namespace, sa_name = r["operator"].split(":")[2:]
     kubeconfig = _service_account_kubeconfig(gpuobj_cluster, sa_namespace, sa_name, tmp_path / "kubeconfig")
+    # Its agent token is a real one of its ServiceAccount (the chart's default, TLS to agents, names the
+    # operator by it in its client certificate): this also runs its CA and signer on the chart's RBAC.
     agent_token = tmp_path / "agent-token"
-    agent_token.write_text(secrets.token_hex(16))
+    audience = f"--audience={names.AGENT_AUDIENCE}"
+    agent_token.write_text(k("create", "token", sa_name, "-n", sa_namespace, "--duration=10m", audience).stdout.strip())
     example = str(DEPLOY / "examples" / "gpuobject.yaml")
     op = OperatorProcess(
         kubeconfig, agent_token, identity="rbac-check", lease_namespace=r["ns"],

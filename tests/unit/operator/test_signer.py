@@ -161,3 +161,23 @@ def test_the_operators_client_key_is_not_left_on_disk(tmp_path, monkeypatch) -> 
     cert.maybe_renew(dt.datetime.now(dt.UTC) + dt.timedelta(days=1))  # due: a fresh key, loaded the same way
     assert list(tmp_path.iterdir()) == []
     assert cert.context.cert_store_stats()["x509_ca"] >= 1
+
+
+def test_a_shards_signer_answers_only_its_shards_namespaces() -> None:
+    """With TLS on by default in the tests, every shard's operator signed the CSRs of every namespace (two
+    shards answered the same request, one acting on the other's namespace). Now each takes only its own."""
+    from gpuobj_operator.shards import Shard, shard_of
+    from gpuobj_operator.signer import Signer
+
+    spaces = [f"ns-{i}" for i in range(8)]
+    queued: dict[int, list[str]] = {}
+    for index in (0, 1):
+        signer = Signer(None, CertificateAuthority.generate(), owns=Shard(2, index).owns)  # type: ignore[arg-type]
+        for ns in spaces:
+            csr = csr_obj(request_for(), user=f"system:serviceaccount:{ns}:trainer")
+            csr["metadata"]["name"] = f"csr-{ns}"
+            signer._on_csr("ADDED", csr)
+        queued[index] = sorted(signer._queued)
+    assert queued[0] == sorted(f"csr-{ns}" for ns in spaces if shard_of(ns, 2) == 0)
+    assert queued[1] == sorted(f"csr-{ns}" for ns in spaces if shard_of(ns, 2) == 1)
+    assert queued[0] and queued[1]
