@@ -111,11 +111,7 @@ class Demo:
             self.identities = state_dir / "identities"
             self.operator_creds = credentials(self.cluster, NAMESPACE, OPERATOR_SA, self.identities / "operator")
             self.stack.callback(self.operator_creds.stop)
-        tls = (
-            "TLS to every agent, each with a certificate from the operator's signer"
-            if agent_tls.enabled()
-            else "plain HTTP"
-        )
+        tls = "TLS to every agent" if agent_tls.enabled() else "plain HTTP to agents"
         with self.step(f"starting the operator and three workload pods ({tls})"):
             op = OperatorProcess(
                 self.operator_creds.kubeconfig,
