@@ -27,7 +27,7 @@ from gpuobj_agent.tls import AgentCertificate, Issued, client_context, make_requ
 from gpuobj_contract import agent_tls, names
 from gpuobj_dev.testing import agent_tls as agent_tls_harness
 from gpuobj_dev.testing.cluster import ClusterHandle
-from gpuobj_dev.testing.identities import WORKLOAD_SA, credentials
+from gpuobj_dev.testing.identities import WORKLOAD_SA, credentials, install_identities
 from gpuobj_dev.testing.operator import OperatorProcess
 from gpuobj_dev.testing.pods import create_agent_pod
 from gpuobj_kube.client import CSRS, KubeClient, wait_for
@@ -377,3 +377,41 @@ def test_a_hand_off_release_goes_to_the_tls_source_verified_by_its_pod_uid(
     reader.run("h.release(); del got; client.flush()")
     wait_object(gpuobj_cluster, namespace, "h", lambda o: o is None)
     assert reader.eval("client.write_stats()['sent']") == sent  # the source took the release: the reader wrote nothing
+
+
+def test_a_reader_of_another_namespace_reads_over_tls_under_a_cluster_wide_operator(
+    gpuobj_cluster: ClusterHandle, namespace: str, pods: Pods, tmp_path: Path
+) -> None:
+    """The chart's default watch is every namespace: one signer certifies the pods of both namespaces. A
+    reader of another namespace reads an object shared with it over HTTPS, verified by the source pod's
+    uid, with its own certificate; one not shared with it is refused by the source, naming spec.sharedWith."""
+    from tests.e2e.operator.test_client_refusals import attempt
+    from tests.e2e.operator.test_namespace_quota import ClusterWideOperator
+
+    identity = ClusterWideOperator(gpuobj_cluster, namespace, tmp_path / "cluster-wide-operator")
+    op = identity.start([]).wait_ready()
+    other = f"{namespace}-r"
+    gpuobj_cluster.create_namespace(other)
+    install_identities(gpuobj_cluster, other)
+    readers = Pods(gpuobj_cluster, other, identity.creds.agent_token, tmp_path / other)
+    env = {"GPUOBJ_OPERATOR_SERVICEACCOUNT": identity.subject, **TLS_ENV}
+    try:
+        src = pods.workload("src", env=env)
+        src.run(
+            f"opened = client.put([torch.arange(256, dtype=torch.float32)], name='opened', shared_with=[{other!r}])\n"
+            "closed = client.put([torch.ones(256)], name='closed')\nclient.flush()"
+        )
+        addresses = {name: src.eval_pickle(f"{name}.address") for name in ("opened", "closed")}
+        reader = readers.workload("reader", env=env)
+        fetch = "client.fetch(load_pickle({!r}))"
+        assert reader.eval(f"float({fetch.format(addresses['opened'])}[0].sum())") == float(sum(range(256)))
+        name, message = attempt(reader, fetch.format(addresses["closed"]))
+        assert name == "PermissionDeniedError" and "spec.sharedWith" in message, message
+        src.run("opened.release(); closed.release(); client.flush()")
+        for name in ("opened", "closed"):
+            wait_object(gpuobj_cluster, namespace, name, lambda o: o is None)
+    finally:
+        readers.close()
+        assert op.stop() == 0, op.output()
+        identity.close()
+        gpuobj_cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)
