@@ -33,10 +33,12 @@ def test_operator_killed_in_the_middle_of_a_free_frees_exactly_once_after_restar
     # The first operator runs before the pod starts: a TLS agent waits for its signer's certificate.
     first = start_operator(gpuobj_cluster, token_file, namespace, identity="op-a").wait_ready()
     src = pods.workload("src")
-    src.run("ref = client.put([torch.ones(1 << 16)], name='weights'); oid = ref.address.object_id")
+    # Flushed: the GPUObject is recorded, so the release is the operator's free (an unrecorded one is freed
+    # by the pod itself, without the operator).
+    src.run("ref = client.put([torch.ones(1 << 16)], name='weights'); client.flush(); oid = ref.address.object_id")
     object_id = src.eval("oid")
     # A reader is mid-transfer: the agent's free must wait for it, which holds the operator inside the free.
-    # (A read is a pod's act: the test reads with the pod's own token and certificate, as a pod of the namespace.)
+    # (A read is a pod's act: the test reads with the pod's own token, and over TLS its certificate.)
     reader_token = pods.agent_token("src")
     read = _agent_post(pods.endpoint("src"), f"/v1/objects/{object_id}/reads", reader_token, body={"reader": "test"})
     try:
