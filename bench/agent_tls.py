@@ -160,7 +160,7 @@ def main() -> None:
                                   "GPUOBJ_AGENT_TLS_DIR": str(work / "tls")}, work / "tls.log")  # fmt: skip
         procs.append(tls)
         # mTLS as in the cluster: the operator's client certificate names its ServiceAccount, a reader's its pod.
-        op_ctx = ClientCertificate(ca, *OPERATOR.split("/"), folder=work).context
+        op_ctx = ClientCertificate(ca, agent_tls.service_account_uri(*OPERATOR.split("/")), folder=work).context
         reader_ctx = client_context(ca.cert_pem, (str(work / "reader" / "tls.crt"), str(work / "reader" / "tls.key")))
         targets = [Target("http", plain_ep, uid_plain, None), Target("https", tls_ep, uid_tls, (op_ctx, reader_ctx))]
         op = issuer.token(OPERATOR)

@@ -16,6 +16,7 @@ import ssl
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -179,12 +180,17 @@ async def load_or_create(kube: KubeClient, namespace: str, name: str) -> Certifi
         raise RuntimeError(f"Secret {namespace}/{name} does not hold a usable CA (tls.crt, tls.key): {exc}") from None
 
 
+def unverified_claims(token: str) -> dict[str, Any]:
+    """The claims of a JWT, read without verifying it (for a token we hold: whose it is)."""
+    payload = token.split(".")[1]
+    claims: dict[str, Any] = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    return claims
+
+
 def service_account_of(token: str) -> tuple[str, str]:
     """(namespace, name) of our own ServiceAccount token's subject (read, not verified: it is ours)."""
     try:
-        payload = token.split(".")[1]
-        claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-        sub = claims["sub"]
+        sub = unverified_claims(token)["sub"]
     except (IndexError, KeyError, ValueError) as exc:
         raise ValueError(f"the operator's token is not a JWT with a subject: {exc}") from None
     prefix = "system:serviceaccount:"
@@ -195,18 +201,20 @@ def service_account_of(token: str) -> tuple[str, str]:
 
 
 class ClientCertificate:
-    """The operator's own client certificate for agents (mTLS), issued by the CA it holds, renewed in place.
+    """A client certificate for agents (mTLS) naming ``uri``, issued by the CA held here, renewed in place:
+    the operator's own (its ServiceAccount, `spiffe://gpuobj.io/ns/<ns>/sa/<name>`), or, in the test harness
+    that plays the admin, any identity whose token it presents.
 
-    Agents accept the operator's token only over a connection whose client certificate names the same
-    ServiceAccount (`spiffe://gpuobj.io/ns/<ns>/sa/<name>`): a token replayed without this key is refused.
+    Agents accept a token only over a connection whose client certificate names the same identity: the
+    operator's token replayed without this key is refused.
     `context` is one SSLContext for the operator's life; `maybe_renew` loads a fresh certificate into it.
     The key touches disk only while `load_cert_chain` reads it (a private temporary folder, removed at once),
     unless `folder` is given: no operator key is left behind when the process ends.
     """
 
-    def __init__(self, ca: CertificateAuthority, namespace: str, name: str, *, folder: Path | None = None) -> None:
+    def __init__(self, ca: CertificateAuthority, uri: str, *, folder: Path | None = None) -> None:
         self.ca = ca
-        self.uri = agent_tls.service_account_uri(namespace, name)
+        self.uri = uri
         self._dir = folder
         self.context = ssl.create_default_context(cadata=ca.cert_pem.decode())
         self.context.minimum_version = ssl.TLSVersion.TLSv1_2

@@ -26,7 +26,7 @@ import prometheus_client
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gpuobj_contract import names
+from gpuobj_contract import agent_tls, names
 from gpuobj_kube.client import CLAIMS, PODS, KubeClient
 from gpuobj_kube.config import KubeConfig
 from gpuobj_kube.config import load as load_config
@@ -346,7 +346,7 @@ async def run(args: argparse.Namespace) -> int:
     client_cert = None
     if ca is not None and args.agent_tls == "on":  # mTLS: agents bind our token to this certificate
         token = (await asyncio.to_thread(Path(args.token_file).read_text)).strip() if args.token_file else ""
-        client_cert = ClientCertificate(ca, *service_account_of(token))
+        client_cert = ClientCertificate(ca, agent_tls.service_account_uri(*service_account_of(token)))
     agents = AgentClient(
         Path(args.token_file) if args.token_file else None,
         tls=client_cert.context if client_cert else None,

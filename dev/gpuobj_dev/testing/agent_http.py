@@ -3,19 +3,17 @@
 Agents of the harness serve HTTPS by default (gpuobj_dev.testing.agent_tls), as the chart runs them: a call
 here then verifies the agent by the pod uid it means, as the operator does, and presents a client
 certificate of the identity whose token it sends (agents accept a token only so, docs/security.md). The
-harness plays the cluster admin: it reads the namespace's agent CA from its Secret and issues itself that
+harness plays the cluster admin: it reads the agent CAs from their Secrets and issues itself that
 certificate, which is what lets one test present the operator's token and a pod's in turn.
 """
 
 from __future__ import annotations
 
 import base64
-import datetime as dt
 import http.client
 import json
 import socket
 import ssl
-import tempfile
 import threading
 import time
 import urllib.error
@@ -26,13 +24,11 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuobj_contract import agent_api as api
 from gpuobj_contract import agent_tls, names
-from gpuobj_operator.agent_ca import CertificateAuthority
+from gpuobj_operator.agent_ca import CertificateAuthority, ClientCertificate, service_account_of, unverified_claims
 
 
 @dataclass(frozen=True)
@@ -40,7 +36,6 @@ class AgentAt:
     """Who serves at an endpoint (WorkloadProcess registers it)."""
 
     pod_uid: str
-    namespace: str = ""
     tls: bool = False
 
 
@@ -48,12 +43,13 @@ _AGENTS: dict[str, AgentAt] = {}
 # Every agent CA of the cluster (each operator makes one in its namespace); set by the test session and the demo.
 _CA_SOURCE: list[Callable[[], list[CertificateAuthority]]] = []
 _ISSUER: dict[str, CertificateAuthority] = {}  # endpoint -> the CA that issued its agent's certificate
-_CONTEXTS: dict[tuple[bytes, str], ssl.SSLContext] = {}  # (CA certificate, identity URI) -> a client context
+_TRUST: dict[bytes, ssl.SSLContext] = {}  # CA certificate -> a context trusting it, presenting nothing
+_CERTS: dict[tuple[bytes, str], ClientCertificate] = {}  # (CA certificate, identity URI) -> its certificate
 _LOCK = threading.Lock()
 
 
-def register(endpoint: str, pod_uid: str, namespace: str = "", tls: bool = False) -> None:
-    _AGENTS[endpoint] = AgentAt(pod_uid, namespace, tls)
+def register(endpoint: str, pod_uid: str, tls: bool = False) -> None:
+    _AGENTS[endpoint] = AgentAt(pod_uid, tls)
     _ISSUER.pop(endpoint, None)
 
 
@@ -87,15 +83,10 @@ def meant_for(endpoint: str) -> dict[str, str]:
 def identity_of(token: str) -> str:
     """The SPIFFE identity an agent binds ``token`` to: its pod's for a pod-bound token, else its
     ServiceAccount's (read from the token's claims, unverified: the agent verifies them)."""
-    payload = token.split(".")[1]
-    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-    k8s = claims.get("kubernetes.io") or {}
-    namespace = k8s.get("namespace") or claims["sub"].split(":")[2]
+    k8s = unverified_claims(token).get("kubernetes.io") or {}
     if pod := k8s.get("pod"):
-        return agent_tls.pod_uri(namespace, pod["name"], pod["uid"])
-    return agent_tls.service_account_uri(
-        namespace, (k8s.get("serviceaccount") or {}).get("name") or claims["sub"].split(":")[3]
-    )
+        return agent_tls.pod_uri(k8s["namespace"], pod["name"], pod["uid"])
+    return agent_tls.service_account_uri(*service_account_of(token))
 
 
 def _served_certificate(endpoint: str, timeout: float) -> x509.Certificate:
@@ -127,29 +118,16 @@ def _issuer(endpoint: str, timeout: float) -> CertificateAuthority:
 
 def _context(endpoint: str, identity: str | None, timeout: float) -> ssl.SSLContext:
     """A client context trusting the agent's CA, presenting a certificate of ``identity`` (none: no
-    client certificate) that the harness issues itself with that CA."""
+    client certificate) that the harness issues itself with that CA, renewed when due."""
     with _LOCK:
         ca = _issuer(endpoint, timeout)
-        if (ca.cert_pem, identity or "") in _CONTEXTS:
-            return _CONTEXTS[(ca.cert_pem, identity or "")]
-        ctx = ssl.create_default_context(cadata=ca.cert_pem.decode())
         if identity is None:
-            _CONTEXTS[(ca.cert_pem, "")] = ctx
-            return ctx
-        uri = identity
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = ca.issue(key.public_key(), common_name=uri, uris=(uri,), lifetime=dt.timedelta(hours=2))
-        with tempfile.TemporaryDirectory(prefix="gpuobj-harness-tls-") as folder:
-            key_file, cert_file = Path(folder) / "tls.key", Path(folder) / "tls.crt"
-            key_file.write_bytes(
-                key.private_bytes(
-                    serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-                )
-            )
-            cert_file.write_bytes(cert + ca.cert_pem)
-            ctx.load_cert_chain(str(cert_file), str(key_file))
-        _CONTEXTS[(ca.cert_pem, uri)] = ctx
-        return ctx
+            return _TRUST.setdefault(ca.cert_pem, ssl.create_default_context(cadata=ca.cert_pem.decode()))
+        cert = _CERTS.get((ca.cert_pem, identity))
+        if cert is None:
+            cert = _CERTS[(ca.cert_pem, identity)] = ClientCertificate(ca, identity)
+        cert.maybe_renew()
+        return cert.context
 
 
 class _PodHTTPSConnection(http.client.HTTPSConnection):
@@ -202,10 +180,10 @@ def request(
         conn.close()
 
 
-def _get(url_endpoint: str, path: str, token: str | None = None, timeout: float = 10, headers=None) -> bytes:
-    status, body = request(url_endpoint, "GET", path, token=token, headers=headers, timeout=timeout)
+def _get(endpoint: str, path: str, token: str | None = None, timeout: float = 10, headers=None) -> bytes:
+    status, body = request(endpoint, "GET", path, token=token, headers=headers, timeout=timeout)
     if status >= 400:
-        raise AssertionError(f"GET {path} at agent {url_endpoint}: {status} {body[:300]!r}")
+        raise AssertionError(f"GET {path} at agent {endpoint}: {status} {body[:300]!r}")
     return body
 
 

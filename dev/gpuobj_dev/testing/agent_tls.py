@@ -22,19 +22,19 @@ def enabled() -> bool:
     return value == "on"
 
 
-def workload_env(on: bool | None = None) -> dict[str, str]:
+def workload_env() -> dict[str, str]:
     """The workload pod's setting: a certificate from the operator's signer, or plain HTTP."""
-    return {AGENT_ENV: "csr" if (enabled() if on is None else on) else "off"}
+    return {AGENT_ENV: "csr" if enabled() else "off"}
 
 
 PLAIN = {AGENT_ENV: "off"}  # a workload that serves plain HTTP whatever the harness default
 
 
-def operator_args(args: list[str], on: bool | None = None) -> list[str]:
+def operator_args(args: list[str]) -> list[str]:
     """`args` plus the operator's TLS flag, unless `args` already name it."""
     if OPERATOR_FLAG in args:
         return list(args)
-    return [*args, OPERATOR_FLAG, "on" if (enabled() if on is None else on) else "off"]
+    return [*args, OPERATOR_FLAG, "on" if enabled() else "off"]
 
 
 def serves_tls(env: dict[str, str]) -> bool:

@@ -157,12 +157,7 @@ class WorkloadProcess:
         )
         threading.Thread(target=self._read, daemon=True).start()
         self.expect("ready", timeout=ready_timeout)
-        agent_http.register(
-            self.endpoint,
-            self.env["GPUOBJ_POD_UID"],
-            self.env["GPUOBJ_POD_NAMESPACE"],
-            tls=agent_tls.serves_tls(self.env),
-        )
+        agent_http.register(self.endpoint, self.env["GPUOBJ_POD_UID"], tls=agent_tls.serves_tls(self.env))
         return self
 
     @property

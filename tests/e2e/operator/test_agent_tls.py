@@ -321,7 +321,7 @@ def test_the_operators_token_replayed_at_another_agent_is_refused(
     finally:
         mallory.stop()
     # The operator's own key (what the running operator holds) opens it: the binding, not TLS alone, refused.
-    operator_cert = ClientCertificate(ca, namespace, "gpuobj-operator", folder=tmp_path)
+    operator_cert = ClientCertificate(ca, agent_tls.service_account_uri(namespace, "gpuobj-operator"), folder=tmp_path)
     assert _get(pods.endpoint("b"), "/v1/objects", token, pods.uids["b"], operator_cert.context) == 200
 
 

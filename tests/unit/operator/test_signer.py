@@ -157,7 +157,9 @@ def test_the_operators_client_key_is_not_left_on_disk(tmp_path, monkeypatch) -> 
     """The operator's mTLS key is written only while ssl loads it: a renewal leaves no key file behind
     (before, every operator start left `gpuobj-operator-tls-*/tls.key` in the temp folder for good)."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    cert = ClientCertificate(CertificateAuthority.generate(), "gpuobj-system", "gpuobj-operator")
+    cert = ClientCertificate(
+        CertificateAuthority.generate(), agent_tls.service_account_uri("gpuobj-system", "gpuobj-operator")
+    )
     cert.maybe_renew(dt.datetime.now(dt.UTC) + dt.timedelta(days=1))  # due: a fresh key, loaded the same way
     assert list(tmp_path.iterdir()) == []
     assert cert.context.cert_store_stats()["x509_ca"] >= 1
