@@ -13,7 +13,7 @@ import sys
 # subcommand -> (module with `main(argv) -> int`, help)
 DELEGATED = {
     "agent": ("gpuobj_agent.main", "run a standalone gpuobj agent (object store, NIXL, control server)"),
-    "operator": ("gpuobj_operator.main", "run the gpuobj operator (kopf)"),
+    "operator": ("gpuobj_operator.main", "run the gpuobj operator"),
 }
 
 

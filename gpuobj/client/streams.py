@@ -19,7 +19,8 @@ from gpuobj.client.errors import StreamClosedError
 from gpuobj.client.handles import ObjectAddress
 from gpuobj_contract import names
 from gpuobj_contract import resources as crd
-from gpuobj_kube.client import GPUOBJECTS, STREAMS, Gone, Resource, wait_for
+from gpuobj_kube.client import GPUOBJECTS, STREAMS, wait_for
+from gpuobj_kube.informer import Informer, InformerFailed
 
 if TYPE_CHECKING:
     from gpuobj.client.core import ClientCore
@@ -27,10 +28,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gpuobj.client.streams")
 
-# A watch error other than 410 is retried with backoff; this many in a row is the reader's error.
-WATCH_ATTEMPTS = 6
-WATCH_BACKOFF_START = 0.1
-WATCH_BACKOFF_MAX = 2.0
+# A watch error other than 410 is retried with backoff (the project's one informer, gpuobj_kube.informer);
+# errors in a row for this long are the reader's error, raised as themselves.
+WATCH_GIVE_UP_SECONDS = 5.0
+WATCH_BACKOFF = (0.1, 2.0)
 
 
 def item_name(stream: str, index: int) -> str:
@@ -83,37 +84,27 @@ class StreamReader:
         self.device = device
         self.item_timeout = item_timeout
         self.position: int | None = None
-        self.watch_failures = 0  # watch errors other than 410 seen (each retried), for observability
+        self._informers: list[Informer] = []
+        self._watches: list[asyncio.Task[None]] = []
 
-    async def _follow(self, res: Resource, selector: dict[str, str], on_event: Callable[[dict, bool], None]) -> None:
-        """List then watch, feeding ``on_event(obj, deleted)``: relist at once when the version is too old
-        (410), retry any other error with backoff, and raise it when it persists (WATCH_ATTEMPTS in a row)."""
-        kube, ns = self.core.kube, self.core.namespace
-        failures = 0
-        while True:
-            try:
-                listed = await kube.list(res, ns, **selector)
-                for obj in listed["items"]:
-                    on_event(obj, False)
-                rv = listed["metadata"]["resourceVersion"]
-                failures = 0
-                while True:
-                    async for kind, obj in kube.watch(res, ns, resource_version=rv, timeout_seconds=60, **selector):
-                        rv = obj["metadata"].get("resourceVersion", rv)
-                        failures = 0
-                        if kind != "BOOKMARK":
-                            on_event(obj, kind == "DELETED")
-            except Gone:
-                continue
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # refused, cut, timed out, 5xx, 403: maybe passing, else the real error
-                failures += 1
-                self.watch_failures += 1
-                if failures >= WATCH_ATTEMPTS:
-                    raise
-                log.debug("stream %s: watching %s failed (%s), retrying", self.name, res.plural, exc)
-                await asyncio.sleep(min(WATCH_BACKOFF_START * 2 ** (failures - 1), WATCH_BACKOFF_MAX))
+    @property
+    def watch_failures(self) -> int:
+        """Watch errors other than 410 seen so far (each retried), for observability."""
+        return sum(i.errors for i in self._informers)
+
+    def _informer(self, on_event: Callable[[dict, bool], None], **watch: Any) -> Informer:
+        """List then watch, feeding ``on_event(obj, deleted)``: the informer relists at once on 410, retries
+        other errors with backoff and ends with the real one once they persist (WATCH_GIVE_UP_SECONDS)."""
+        return Informer(
+            self.core.kube,
+            namespace=self.core.namespace,
+            handler=lambda kind, obj: on_event(obj, kind == "DELETED"),
+            identity=lambda obj: obj,  # a stream's few items, whole: a relist's DELETED carries the spec
+            watch_timeout=60,
+            backoff=WATCH_BACKOFF,
+            give_up_after=WATCH_GIVE_UP_SECONDS,
+            **watch,
+        )
 
     def _start_watches(self) -> None:
         """One watch on the stream's items and one on the stream, for the whole read: no request per item."""
@@ -138,19 +129,19 @@ class StreamReader:
             self._end = int(end) if end is not None else None
             self._changed.set()
 
-        self._watches = [
-            asyncio.create_task(
-                self._follow(GPUOBJECTS, {"label_selector": f"{names.LABEL_STREAM}={self.name}"}, on_item)
-            ),
-            asyncio.create_task(self._follow(STREAMS, {"field_selector": f"metadata.name={self.name}"}, on_stream)),
+        self._informers = [
+            self._informer(on_item, resource=GPUOBJECTS, label_selector=f"{names.LABEL_STREAM}={self.name}"),
+            self._informer(on_stream, resource=STREAMS, field_selector=f"metadata.name={self.name}"),
         ]
-        for task in self._watches:  # a watch that gave up wakes the reader, which raises its error
-            task.add_done_callback(lambda _: self._changed.set())
+        for informer in self._informers:
+            informer.start()
+            assert informer.task is not None
+            informer.task.add_done_callback(lambda _: self._changed.set())  # a watch that gave up wakes the reader
+            self._watches.append(informer.task)
 
     async def _stop_watches(self) -> None:
-        for task in getattr(self, "_watches", []):
-            task.cancel()
-        await asyncio.gather(*getattr(self, "_watches", []), return_exceptions=True)
+        for informer in self._informers:
+            await informer.stop()
         self._watches = []
 
     async def _next_item(self, index: int) -> tuple[dict | None, bool]:
@@ -160,7 +151,8 @@ class StreamReader:
             while True:
                 for task in self._watches:
                     if task.done() and not task.cancelled() and (error := task.exception()) is not None:
-                        raise error
+                        # The real error (a 403, the API server unreachable), not the informer's summary.
+                        raise error.__cause__ if isinstance(error, InformerFailed) and error.__cause__ else error
                 if index in self._items:
                     return self._items.pop(index), False
                 if self._gone:

@@ -4,7 +4,7 @@ Why borrowed: kubeconfig users come as tokens, token files, client certificates,
 plugins (EKS `aws eks get-token`, GKE `gke-gcloud-auth-plugin`, AKS `kubelogin`) and
 `auth-provider`s, in one file or several (`KUBECONFIG=a:b`), or as an in-cluster
 ServiceAccount whose projected token rotates. The `kubernetes` package's loaders handle
-all of that as client-go does; kopf piggybacks on them the same way. We keep our own REST
+all of that as client-go does (kopf, for one, piggybacks on them the same way). We keep our own REST
 verbs (kube/gpuobj_kube/client.py) and ask this module for one thing per request: the
 Authorization header, refreshed when it expires and re-read after a 401.
 """

@@ -1,11 +1,14 @@
 """List-then-watch of one resource, handled strictly in order: the one informer of the project.
 
-Why its own and not kopf's for pods and claims: kopf filters labels on the client, so it would stream
-every pod of the cluster (agent pods carry `gpuobj.io/agent=true`, and the API server filters on that);
-and kopf hands each event to a per-object worker, so having seen version N says nothing about the
-events before N. Here the handler runs for each event in the order the watch delivers them
-(resourceVersion order), and only then is ``on_progress`` told: everything up to it was applied (the
-operator's claims watermark, claimcheck.py).
+Every watch of the operator (GPUObjects, streams, claims, agent pods, CSRs) and of the client's stream
+reader is one of these (docs/operator-watches.md says why not kopf's). The handler runs on the event
+loop, in the informer's own task, for each event in the order the watch delivers them (resourceVersion
+order), and only then is ``on_progress`` told: everything up to it was applied (the operator's claims
+watermark, claimcheck.py). A coroutine handler is refused: it would never run.
+
+What the informer remembers of each object is only what ``identity`` keeps (namespace, name, uid by
+default: a few hundred bytes per object, whatever the object's size), so a DELETED reported after a
+relist carries that and nothing more: a handler deletes by identity, from its own record.
 
 Seeded from an earlier list (``seed``: what the caller listed and at which version), it watches from
 that version, so nothing that happened after that list is missed (client-go's list-then-watch: a pod
@@ -18,6 +21,7 @@ real cause (a 403 from missing RBAC, say), never a silent stall.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -42,6 +46,12 @@ def _key(obj: JSON) -> ObjectKey:
     return (obj["metadata"].get("namespace", ""), obj["metadata"]["name"])
 
 
+def identity_of(obj: JSON) -> JSON:
+    """What an informer keeps of an object to report its deletion: namespace, name and uid."""
+    meta = obj["metadata"]
+    return {"metadata": {k: meta[k] for k in ("namespace", "name", "uid") if k in meta}}
+
+
 class Informer:
     def __init__(
         self,
@@ -51,16 +61,22 @@ class Informer:
         *,
         namespace: str | None = None,
         label_selector: str | None = None,
+        field_selector: str | None = None,
         on_progress: Callable[[str], None] | None = None,
+        identity: Callable[[JSON], JSON] = identity_of,
         watch_timeout: int = 240,
         backoff: tuple[float, float] = (0.25, 5.0),
         give_up_after: float = 60.0,
     ) -> None:
+        if inspect.iscoroutinefunction(handler):
+            raise TypeError(f"the handler of the {resource.plural} informer must be a plain function, not a coroutine")
         self.kube = kube
         self.resource = resource
         self.handler = handler
         self.namespace = namespace
         self.label_selector = label_selector
+        self.field_selector = field_selector
+        self.identity = identity
         self.on_progress = on_progress or (lambda rv: None)
         self.watch_timeout = watch_timeout
         self.backoff = backoff
@@ -71,13 +87,14 @@ class Informer:
         self.failing_since: float | None = None  # monotonic start of the current run of errors
         self.last_error: BaseException | None = None
         self._failures = 0  # errors in the current run
+        self.errors = 0  # every error other than 410 so far (each retried), for observability
 
     def seed(self, objs: Iterable[JSON], resource_version: str | None = None) -> None:
         """What the handler already knows from an earlier list (the caller's sync), listed at
         ``resource_version``: the informer watches from there (no list of its own), or, without a
         version, lists first and reports whichever of them went meanwhile as DELETED."""
         for obj in objs:
-            self._known[_key(obj)] = obj
+            self._known[_key(obj)] = self.identity(obj)
         self._resume_at = resource_version
 
     @property
@@ -98,10 +115,12 @@ class Informer:
             self._task = None
 
     async def _relist(self) -> str:
-        listed = await self.kube.list(self.resource, self.namespace, label_selector=self.label_selector)
+        listed = await self.kube.list(
+            self.resource, self.namespace, label_selector=self.label_selector, field_selector=self.field_selector
+        )
         seen: dict[ObjectKey, JSON] = {}
         for obj in listed["items"]:
-            seen[_key(obj)] = obj
+            seen[_key(obj)] = self.identity(obj)
             self.handler(None, obj)
         for key, obj in self._known.items():
             if key not in seen:  # deleted while we were not watching
@@ -117,6 +136,7 @@ class Informer:
         if self.failing_since is None:
             self.failing_since, self._failures = now, 0
         self._failures += 1
+        self.errors += 1
         self.last_error = exc
         if now - self.failing_since >= self.give_up_after:
             raise InformerFailed(
@@ -145,6 +165,7 @@ class Informer:
                     self.namespace,
                     resource_version=rv,
                     label_selector=self.label_selector,
+                    field_selector=self.field_selector,
                     timeout_seconds=self.watch_timeout,
                 ):
                     self._recovered()
@@ -153,7 +174,7 @@ class Informer:
                         if kind == "DELETED":
                             self._known.pop(_key(obj), None)
                         else:
-                            self._known[_key(obj)] = obj
+                            self._known[_key(obj)] = self.identity(obj)
                     # Only once handled: a handler that fails makes us list again (below), never skip.
                     rv = obj["metadata"].get("resourceVersion", rv)
                     self.on_progress(rv)

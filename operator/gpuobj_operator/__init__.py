@@ -1,1 +1,1 @@
-"""gpuobj operator: the cluster-wide reference counter for GPU objects (kopf)."""
+"""gpuobj operator: the cluster-wide reference counter for GPU objects (asyncio, gpuobj_kube informers)."""

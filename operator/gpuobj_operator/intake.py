@@ -1,9 +1,12 @@
 """Event intake: the initial sync and every watch event, parsed and applied to the ledger; the keys whose
 decision may have changed go to the work queue. Nothing here decides or writes.
 
-Why apart from the executors: this runs on the event loop for every event of four watches (kopf's
-objects and streams, the pod and claims informers), so it must stay cheap (the ledger's indexes) and
-never wait; the workers (reconciler.py) take it from there.
+Why apart from the executors: this runs on the event loop for every event of four informers (objects,
+streams, claims, agent pods: gpuobj_kube.informer, each seeded from the sync's own list), so it must
+stay cheap (the ledger's indexes) and never wait; the workers (reconciler.py) take it from there.
+
+A deletion goes by identity (namespace, name, uid) against the ledger's own record: an informer that
+listed again reports what went meanwhile with nothing more than that.
 
 With several operators (shards.py) this is the one gate: what lives in another shard's namespaces
 never enters the ledger, so nothing downstream (frees, status writes, the audit, the liveness probes)
@@ -19,6 +22,7 @@ from typing import Any
 
 from gpuobj_contract import names
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, KubeClient
+from gpuobj_kube.informer import identity_of
 from gpuobj_operator.expectations import Expectations
 from gpuobj_operator.free_path import is_marker
 from gpuobj_operator.ledger import Ledger
@@ -50,7 +54,8 @@ class Intake:
         self.settings = settings
         self.enqueue = enqueue
         self.enqueue_all = enqueue_all
-        self.listed: dict[str, tuple[str, list[dict[str, Any]]]] = {}  # kind -> (resourceVersion, stubs) of the sync
+        # plural -> (resourceVersion, identities) of the sync's lists: where each informer takes over
+        self.listed: dict[str, tuple[str, list[dict[str, Any]]]] = {}
         self.owns = settings.shard.owns
 
     def mine(self, raw: Mapping[str, Any]) -> bool:
@@ -78,10 +83,11 @@ class Intake:
         for o in filter(mine, objects["items"]):
             self.ledger.upsert_object(parse_object(o), now)
         self.ledger.synced = True
-        # Where the pod and claims watches take over: from these lists, so nothing after them is missed.
+        # Where the informers take over: from these lists, so nothing after them is missed (a pod
+        # deleted since arrives as DELETED).
         self.listed = {
-            "pods": (pods["metadata"]["resourceVersion"], [_stub(p) for p in pods["items"]]),
-            "claims": (claims["metadata"]["resourceVersion"], [_stub(c) for c in claims["items"]]),
+            res.plural: (listed["metadata"]["resourceVersion"], [identity_of(o) for o in listed["items"]])
+            for res, listed in ((STREAMS, streams), (CLAIMS, claims), (PODS, pods), (GPUOBJECTS, objects))
         }
         self.enqueue_all()
         log.info(
@@ -92,40 +98,49 @@ class Intake:
             len(self.ledger.pods),
         )
 
-    # ------------------------------------------------------------ event intake (from kopf handlers)
+    # ------------------------------------------------------------ event intake (from the informers)
 
     def on_object(self, event_type: str | None, raw: Mapping[str, Any]) -> None:
         if not self.mine(raw):
             return
-        info = parse_object(raw)
-        now = time.monotonic()
         if event_type == "DELETED":
-            self.expected.object_gone(info.uid, info.key)
-            self.enqueue(self.ledger.remove_object(info))
-        else:
-            # A deletion (the owner's reference went) is the free lane: ahead of status work.
-            self.enqueue(self.ledger.upsert_object(info, now), urgent=info.deleting)
+            key, uid = _identity(raw)
+            current = self.ledger.objects.get(key)
+            self.expected.object_gone(uid, key)
+            if current is not None and current.uid == uid:
+                self.enqueue(self.ledger.remove_object(current))
+            return
+        info = parse_object(raw)
+        # A deletion (the owner's reference went) is the free lane: ahead of status work.
+        self.enqueue(self.ledger.upsert_object(info, time.monotonic()), urgent=info.deleting)
 
     def on_claim(self, event_type: str | None, raw: Mapping[str, Any]) -> None:
         if is_marker(raw) or not self.mine(raw):
             return  # its event moves the claims watermark (the informer does that); nothing to decide
-        info = parse_claim(raw)
         now = time.monotonic()
         if event_type == "DELETED":
-            self.expected.claim_gone(info.key)
-        gone = event_type == "DELETED" or info.deleting
-        self.enqueue(
-            self.ledger.remove_claim(info, now) if event_type == "DELETED" else self.ledger.upsert_claim(info, now),
-            urgent=gone,  # a reference went: most likely a free, ahead of status work
-        )
-        if not gone and self.ledger.needs_scope(info) and self.ledger.holder_incarnation(info) is None:
+            key, uid = _identity(raw)
+            current = self.ledger.claims.get(key)
+            self.expected.claim_gone(key)
+            if current is not None and current.uid == uid:
+                # A reference went: most likely a free, ahead of status work.
+                self.enqueue(self.ledger.remove_claim(current, now), urgent=True)
+            return
+        info = parse_claim(raw)
+        self.enqueue(self.ledger.upsert_claim(info, now), urgent=info.deleting)
+        if not info.deleting and self.ledger.needs_scope(info) and self.ledger.holder_incarnation(info) is None:
             self.prober.probe_soon((info.namespace, info.holder_pod))  # type: ignore[arg-type]
 
     def on_stream(self, event_type: str | None, raw: Mapping[str, Any]) -> None:
         if not self.mine(raw):
             return
-        info = parse_stream(raw)
-        self.enqueue(self.ledger.remove_stream(info) if event_type == "DELETED" else self.ledger.upsert_stream(info))
+        if event_type == "DELETED":
+            key, uid = _identity(raw)
+            current = self.ledger.streams.get(key)
+            if current is not None and current.uid == uid:
+                self.enqueue(self.ledger.remove_stream(current))
+            return
+        self.enqueue(self.ledger.upsert_stream(parse_stream(raw)))
 
     def parse_pod(self, raw: Mapping[str, Any]) -> PodInfo:
         return parse_pod(raw, allow_host_annotation=self.settings.allow_agent_host_annotation)
@@ -144,10 +159,7 @@ class Intake:
         self.enqueue(self.ledger.remove_pod(info) if event_type == "DELETED" else self.ledger.upsert_pod(info))
 
 
-def _stub(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """What an informer must remember of a listed object to report its deletion: its identity."""
+def _identity(raw: Mapping[str, Any]) -> tuple[Key, str]:
+    """(namespace, name) and uid: all a DELETED after a relist carries (gpuobj_kube.informer)."""
     meta = raw["metadata"]
-    stub: dict[str, Any] = {"metadata": {k: meta[k] for k in ("namespace", "name", "uid") if k in meta}}
-    if "spec" in raw and "objectName" in (raw["spec"] or {}):
-        stub["spec"] = {"objectName": raw["spec"]["objectName"]}
-    return stub
+    return (meta["namespace"], meta["name"]), meta["uid"]

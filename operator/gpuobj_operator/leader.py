@@ -1,6 +1,6 @@
 """Leader election on a coordination.k8s.io Lease: one active operator at a time.
 
-Why a Lease and not kopf's peering: it is what every Kubernetes controller uses
+Why a Lease and not a framework's own peering (kopf's, say): it is what every Kubernetes controller uses
 (controller-runtime, kube-controller-manager), `kubectl get lease` shows the holder,
 and a standby replica simply waits. A leader that cannot renew before its lease
 expires stops acting, so two replicas never free at the same time; it then tries to

@@ -1,7 +1,7 @@
 """The reference ledger: what references what. Pure Python state, its indexes and queries.
 
 Why: this is the heart of gpuobj, a cluster-wide reference counter. It knows
-nothing of HTTP or kopf: the reconciler feeds it API objects, the decisions
+nothing of HTTP or watches: the reconciler feeds it API objects, the decisions
 (decisions.py) read it, so every rule is unit-tested without a server (kueue's
 cache/snapshot habit). Each update returns the keys whose decision may change.
 """

@@ -1,4 +1,4 @@
-"""`gpuobj operator`: leader election, the initial sync, kopf's watches, workers, audit, metrics.
+"""`gpuobj operator`: leader election, the initial sync, the informers, workers, audit, metrics.
 
 Order matters for safety: nothing is decided before this replica leads and before
 every kind of state has been listed once (Reconciler.sync). A leader that loses its
@@ -16,19 +16,17 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TypeVar
 
-import kopf
 import prometheus_client
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpuobj_contract import agent_tls, names
-from gpuobj_kube.client import CLAIMS, PODS, KubeClient
-from gpuobj_kube.config import KubeConfig
+from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, KubeClient
 from gpuobj_kube.config import load as load_config
 from gpuobj_kube.informer import Informer
 from gpuobj_operator.agent_ca import ClientCertificate, load_or_create, service_account_of
@@ -223,47 +221,6 @@ class HealthServer:
             await self._runner.cleanup()
 
 
-def build_registry(reconciler: Reconciler, config: KubeConfig) -> kopf.OperatorRegistry:
-    registry = kopf.OperatorRegistry()
-
-    # Every handler is a coroutine: kopf runs a plain function in its thread pool, and these feed the
-    # ledger and the work queue, which only the event loop may touch (tests/unit/operator/test_handlers.py).
-    @kopf.on.login(registry=registry)
-    async def login(**_: Any) -> kopf.ConnectionInfo:
-        # The same credentials as our own client (the `kubernetes` package's loaders: kubeconfig with exec
-        # plugins or auth-providers, or in-cluster). kopf logs in again after a 401 or at `expiration`, and
-        # each login loads the credentials anew (a new exec run, a re-read token file). The load may run
-        # an exec plugin: a thread does it, and KubeConfig guards its own state with a lock.
-        return await asyncio.to_thread(_connection_info, config)
-
-    @kopf.on.event(names.GROUP, names.VERSION, names.PLURAL_OBJECT, registry=registry)
-    async def on_object(event: kopf.RawEvent, **_: Any) -> None:
-        reconciler.on_object(event["type"], event["object"])
-
-    @kopf.on.event(names.GROUP, names.VERSION, names.PLURAL_STREAM, registry=registry)
-    async def on_stream(event: kopf.RawEvent, **_: Any) -> None:
-        reconciler.on_stream(event["type"], event["object"])
-
-    return registry
-
-
-def _connection_info(config: KubeConfig) -> kopf.ConnectionInfo:
-    config.invalidate()
-    creds = config.credentials()
-    scheme, _, token = (creds.authorization or "").partition(" ")
-    return kopf.ConnectionInfo(
-        server=creds.server,
-        ca_path=creds.ca_path,
-        insecure=creds.insecure or None,
-        certificate_path=creds.cert_path,
-        private_key_path=creds.key_path,
-        scheme=scheme or None,
-        token=token or None,
-        default_namespace=creds.namespace,
-        expiration=creds.expiry,
-    )
-
-
 def progress_marker_namespace(args: argparse.Namespace) -> str | None:
     """Where this operator writes its claims progress marker; None: it has none (progress_marker.py)."""
     return marker_namespace(args.namespace, args.lease_namespace, args.claims_progress_marker)
@@ -291,22 +248,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
     )
 
 
-def kopf_settings() -> kopf.OperatorSettings:
-    settings = kopf.OperatorSettings()
-    settings.posting.enabled = False  # we post our own Events, in the background
-    settings.scanning.disabled = True  # least privilege: no cluster-wide CRD or namespace watches
-    settings.watching.server_timeout = 240
-    settings.watching.client_timeout = 300
-    settings.networking.request_timeout = 30
-    # After an API or etcd outage, watch again within ~2 s of the API's return, not after kopf's default
-    # backoffs (1, 1, 2, 3, 5, 8, 13, 21 s: cleanup trailed a 35 s etcd outage by 46 s). Bounded: about a
-    # minute of errors in a row ends the process, and its Deployment restarts it.
-    settings.networking.error_backoffs = (0.25, 0.5, 1.0, *([2.0] * 28))
-    # kopf holds each event for its batch window (0.1 s) waiting for newer ones of the same object.
-    # Our handlers only feed the ledger (cheap, latest state wins anyway): no reason to add up to
-    # 0.1 s to every event, the free of a recorded object included.
-    settings.batching.batch_window = 0.001
-    return settings
+# After an API or etcd outage, watch again within ~2 s of the API's return. Bounded: a minute of errors in
+# a row ends the process with the real error, and its Deployment restarts it.
+WATCH_BACKOFF = (0.25, 2.0)
+WATCH_GIVE_UP_SECONDS = 60.0
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -372,7 +317,7 @@ async def run(args: argparse.Namespace) -> int:
             print(f"gpuobj operator: leading as {args.identity} (lease {elector.config.name})", flush=True)
             try:
                 outcome = await lead(
-                    args, config, kube, agents, events, metrics, health, elector, stop, stopping, reconciler_box
+                    args, kube, agents, events, metrics, health, elector, stop, stopping, reconciler_box
                 )
             except TermStuck as exc:
                 print(f"gpuobj operator: {exc}; exiting", file=sys.stderr, flush=True)
@@ -417,7 +362,6 @@ async def run(args: argparse.Namespace) -> int:
 
 async def lead(
     args: argparse.Namespace,
-    config: KubeConfig,
     kube: KubeClient,
     agents: AgentClient,
     events: EventRecorder,
@@ -428,16 +372,21 @@ async def lead(
     stopping: asyncio.Task[bool],
     reconciler_box: list[Reconciler],
 ) -> str:
-    """One term as leader: a fresh ledger from a fresh LIST, then kopf's watches, until the lease is
-    lost ("lease-lost"), the process is asked to stop ("stopped") or kopf fails ("failed"). Everything
-    this term started is stopped before it returns, so nothing it knew outlives it."""
+    """One term as leader: a fresh ledger from a fresh LIST, then the informers take over from it, until
+    the lease is lost ("lease-lost"), the process is asked to stop ("stopped") or a watch fails for good
+    ("failed"). Everything this term started is stopped before it returns, so nothing it knew outlives it."""
     reconciler = Reconciler(kube, agents, metrics, events, settings_from(args), may_act=elector.holds_lease)
     reconciler_box[:] = [reconciler]
-    pods = Informer(kube, PODS, reconciler.on_pod, namespace=args.namespace, label_selector=LABEL_AGENT_SELECTOR)
-    # Claims through our own in-order informer, not kopf: its watermark lets a free skip the claims
-    # read once every claim event up to the object's deletion is in the ledger (claimcheck.py).
+    # Claims feed a watermark: a free skips the claims read once every claim event up to the object's
+    # deletion is in the ledger (claimcheck.py).
     watermark = Watermark()
-    claims = Informer(kube, CLAIMS, reconciler.on_claim, namespace=args.namespace, on_progress=watermark.observe)
+    watch = {"namespace": args.namespace, "backoff": WATCH_BACKOFF, "give_up_after": WATCH_GIVE_UP_SECONDS}
+    informers = [
+        Informer(kube, STREAMS, reconciler.on_stream, **watch),
+        Informer(kube, CLAIMS, reconciler.on_claim, on_progress=watermark.observe, **watch),
+        Informer(kube, PODS, reconciler.on_pod, label_selector=LABEL_AGENT_SELECTOR, **watch),
+        Informer(kube, GPUOBJECTS, reconciler.on_object, **watch),
+    ]
     reconciler.free_path.claims_watermark = watermark
     marker_at = progress_marker_namespace(args)
     if marker_at is not None:
@@ -446,8 +395,6 @@ async def lead(
             marker_writer(kube, marker_at),
             on_write=lambda ok: metrics.claims_marker_writes.labels("written" if ok else "failed").inc(),
         )
-    kopf_stop = asyncio.Event()
-    operator: asyncio.Task[None] | None = None
     # Renew from the start: a sync that outlives the lease must not leave it to lapse.
     hold = asyncio.create_task(elector.hold())
     outcome = "stopped"
@@ -464,34 +411,16 @@ async def lead(
             log.warning("initial sync failed: %r", sync.exception())
             outcome = "sync-failed"
             return outcome
-        # Both watches take over from the sync's own lists: a pod or claim deleted since arrives as DELETED.
-        for informer, kind in ((pods, "pods"), (claims, "claims")):
-            version, stubs = reconciler.intake.listed[kind]
-            informer.seed(stubs, version)
+        # Every informer takes over from the sync's own list: whatever changed since arrives as an event.
+        for informer in informers:
+            version, identities = reconciler.intake.listed[informer.resource.plural]
+            informer.seed(identities, version)
             informer.start()
         reconciler.start()
         health.state = "leading"
         print("gpuobj operator: synced and reconciling", flush=True)
-        kopf_ready = asyncio.Event()
-        operator = asyncio.create_task(
-            kopf.operator(
-                registry=build_registry(reconciler, config),
-                settings=kopf_settings(),
-                standalone=True,
-                clusterwide=args.namespace is None,
-                namespaces=[args.namespace] if args.namespace else (),
-                stop_flag=kopf_stop,
-                ready_flag=kopf_ready,
-            )
-        )
-        ready_wait = asyncio.create_task(kopf_ready.wait())
-        await asyncio.wait({ready_wait, operator, stopping, hold}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
-        ready_wait.cancel()
-        # kopf installed its own signal handlers; take them back so that a SIGTERM stops kopf through
-        # its stop flag (a clean stop) and lets us release the lease on the way out.
-        _install_signal_handlers(stop)
-        watches = {t for t in (pods.task, claims.task) if t is not None}
-        done, _ = await asyncio.wait({operator, hold, stopping, *watches}, return_when=asyncio.FIRST_COMPLETED)
+        watches = {t for t in (i.task for i in informers) if t is not None}
+        done, _ = await asyncio.wait({hold, stopping, *watches}, return_when=asyncio.FIRST_COMPLETED)
         if failed := [t for t in done & watches if not t.cancelled() and t.exception()]:
             # A watch failed for longer than it retries: say why (the real error), and end the process.
             error = failed[0].exception()
@@ -501,33 +430,23 @@ async def lead(
             reason = f": {hold.exception()!r}" if hold.exception() else ""
             print(f"gpuobj operator: lost leadership{reason}; stopping acting", file=sys.stderr, flush=True)
             outcome = "lease-lost"
-        elif operator in done and not operator.cancelled() and operator.exception():
-            log.error("kopf stopped: %r", operator.exception())
-            outcome = "failed"
         return outcome
     finally:
         # Stop acting first (and say so: the leader gauge drops with it), then wind down what only reads.
         metrics.leader.set(0)
         health.state = "standby" if outcome not in ("stopped", "failed") else "stopping"
-        # A SIGTERM during the wind-down must still stop the process: our handlers, whatever kopf left.
-        _install_signal_handlers(stop)
         hold.cancel()
         stuck = [] if await wind_down(hold, WIND_DOWN_SECONDS) else ["lease renewal"]
-        for name, step in (("workers", reconciler.stop), ("pod watch", pods.stop), ("claims watch", claims.stop)):
-            if not await wind_down(asyncio.ensure_future(step()), WIND_DOWN_SECONDS):
+        steps = [("workers", reconciler.stop)] + [(f"{i.resource.plural} watch", i.stop) for i in informers]
+        for name, step in steps:
+            if not await run_within(step(), WIND_DOWN_SECONDS):
                 stuck.append(name)
-        kopf_stop.set()
-        if operator is not None and not await wind_down(operator, KOPF_STOP_SECONDS, cancel_first=False):
-            stuck.append("kopf")
-        # kopf removes the signal handlers it installed on its way out: ours again.
-        _install_signal_handlers(stop)
         if stuck:
             # What did not stop may still act on what this term knew: never lead again in this process.
             raise TermStuck(stuck)
 
 
 WIND_DOWN_SECONDS = 10.0  # each part of a term (workers, watches) must stop within this after its cancel
-KOPF_STOP_SECONDS = 15.0  # kopf's own stop (it drains its per-object workers), then it is cancelled
 
 
 class TermStuck(Exception):
@@ -538,15 +457,26 @@ class TermStuck(Exception):
         self.parts = parts
 
 
-async def wind_down(task: asyncio.Future[Any], seconds: float, *, cancel_first: bool = True) -> bool:
-    """Stop ``task`` within ``seconds`` (cancelled at once, or after half of them if ``cancel_first`` is
-    False, so it can stop on its own first); False if it is still running then. Never waits longer:
-    a task that ignores its cancellation must not hang the replica (it would stand by, do nothing and
-    ignore SIGTERM)."""
-    if not cancel_first:
-        await asyncio.wait({task}, timeout=seconds / 2)
+async def run_within(step: Coroutine[Any, Any, None], seconds: float) -> bool:
+    """Run a stop step (``reconciler.stop()``, ``informer.stop()``) to its end, for at most ``seconds``;
+    False if it is still running then (it is cancelled). Run, never cancelled first: a step cancelled
+    before it starts stops nothing, and the term it belongs to would go on acting beside the next one."""
+    task = asyncio.ensure_future(step)
+    await asyncio.wait({task}, timeout=seconds)
+    if not task.done():
+        task.cancel()
+        return False
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("stopping: %r", task.exception())
+    return True
+
+
+async def wind_down(task: asyncio.Future[Any], seconds: float) -> bool:
+    """Cancel ``task`` and wait up to ``seconds`` for it to stop; False if it is still running then.
+    Never waits longer: a task that ignores its cancellation must not hang the replica (it would
+    stand by, do nothing and ignore SIGTERM)."""
     task.cancel()
-    await asyncio.wait({task}, timeout=seconds if cancel_first else seconds / 2)
+    await asyncio.wait({task}, timeout=seconds)
     if not task.done():
         return False
     if not task.cancelled() and task.exception() is not None:
@@ -577,7 +507,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--shard-count shares every namespace between operators; --namespace watches one: choose one")
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kopf").setLevel(logging.WARNING)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     try:
         return asyncio.run(run(args))

@@ -122,7 +122,7 @@ def test_exec_plugin_kubeconfig_works_for_the_client_and_the_operator(
     ).start()
     try:
         op.wait_ready(timeout=90)
-        # kopf's own watch runs on the same credentials: a GPUObject naming a pod that does not exist
+        # The operator's GPUObject informer runs on the same credentials: a GPUObject naming a pod that does not exist
         # gets a status written by the operator.
         obj = {
             "apiVersion": names.API_VERSION,

@@ -66,9 +66,9 @@ def test_the_wheel_ships_the_product_and_no_dev_tooling(wheel: Path) -> None:
 def test_extras_split_the_dependencies_by_audience(wheel: Path) -> None:
     reqs = _requirements(wheel)
     assert not reqs[None] & DATA_PLANE, "the base install must not pull the data plane"
-    assert "kopf" in reqs["operator"] and not reqs["operator"] & DATA_PLANE
+    assert "cryptography" in reqs["operator"] and not reqs["operator"] & DATA_PLANE
     assert {"torch", "nixl", "numpy"} <= reqs["agent"]
-    assert "kopf" not in reqs["agent"] and "kopf" not in reqs[None]
+    assert {"aiohttp", "kubernetes"} <= reqs[None]  # the one watch stack (gpuobj_kube) and its credentials
 
 
 def test_the_dockerfile_installs_extras_not_a_filtered_list() -> None:

@@ -58,13 +58,13 @@ def test_operator_image_has_no_data_plane_and_no_pip(operator_image: str) -> Non
     probe = (
         "import importlib.util as u, json; "
         "print(json.dumps({m: bool(u.find_spec(m)) for m in "
-        "('torch', 'nixl', 'numpy', 'cryptography', 'pip', 'kopf', 'gpuobj_operator', 'gpuobj_dev')}))"
+        "('torch', 'nixl', 'numpy', 'cryptography', 'pip', 'kopf', 'aiohttp', 'gpuobj_operator', 'gpuobj_dev')}))"
     )
     out = podman_run(operator_image, "-c", probe, entrypoint="python")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == (
         '{"torch": false, "nixl": false, "numpy": false, "cryptography": true, "pip": false, '
-        '"kopf": true, "gpuobj_operator": true, "gpuobj_dev": false}'
+        '"kopf": false, "aiohttp": true, "gpuobj_operator": true, "gpuobj_dev": false}'
     )
 
 

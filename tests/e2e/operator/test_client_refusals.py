@@ -152,7 +152,7 @@ def test_share_during_an_api_outage_is_queued_like_a_put(
 READ_IN_THREAD = """
 import threading
 import gpuobj.client.streams as streams_module
-streams_module.WATCH_ATTEMPTS = {attempts}
+streams_module.WATCH_GIVE_UP_SECONDS = {seconds}
 reader = client.read_stream('tokens', item_timeout=120)
 got, failure = [], []
 def consume():
@@ -176,7 +176,7 @@ def test_a_stream_reader_rides_out_watch_errors_and_raises_the_real_one_when_the
         consumer = via_proxy(pods, "consumer", proxy, tmp_path)
         producer.run("w = client.stream_writer('tokens'); w.emit([torch.zeros(8)])")
         # Retries enough for any machine's pace here; the outage below lasts until the reader saw it.
-        consumer.run(READ_IN_THREAD.format(attempts=1000))
+        consumer.run(READ_IN_THREAD.format(seconds=600))
         wait_until(lambda: consumer.eval("got") == [0.0], "the first item")
         proxy.down()
         wait_until(lambda: consumer.eval("reader.watch_failures") >= 2, "the reader's watches to fail")
@@ -186,7 +186,7 @@ def test_a_stream_reader_rides_out_watch_errors_and_raises_the_real_one_when_the
         assert consumer.eval("failure") == [] and consumer.eval("got") == [0.0, 1.0, 2.0]
         # Now an outage that persists: the reader raises the API server's error, not "did not arrive".
         producer.run("w2 = client.stream_writer('tokens2'); w2.emit([torch.zeros(8)])")
-        consumer.run(READ_IN_THREAD.replace("'tokens'", "'tokens2'").format(attempts=3))
+        consumer.run(READ_IN_THREAD.replace("'tokens'", "'tokens2'").format(seconds=3))
         wait_until(lambda: consumer.eval("got") == [0.0], "the first item of the second stream")
         proxy.down()
         consumer.run("consumer.join(120)")

@@ -107,6 +107,14 @@ def test_a_leader_that_loses_its_lease_in_an_api_outage_stays_up_and_leads_again
         asyncio.run(_put_and_delete(gpuobj_cluster, namespace, "after", pod_uid))
         assert _freed_by(gpuobj_cluster, namespace, "after") == "op-a"
         assert op.metric("gpuobj_operator_leader") == 1
+        # Standing by, it did nothing: no audit, no free between losing the lease and leading again. (The
+        # first term's auditor, informers and workers once went on beside the standby and the next term:
+        # every free was then executed once per term the process had led.)
+        lines = list(op.lines)
+        lost = next(i for i, line in enumerate(lines) if "lost leadership" in line)
+        led = next(i for i, line in enumerate(lines) if i > lost and "leading as op-a" in line)
+        acted = [line for line in lines[lost + 1 : led] if "audit of" in line or "freeing" in line]
+        assert acted == [], acted
     finally:
         assert op.stop() == 0, op.output()
 

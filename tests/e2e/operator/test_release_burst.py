@@ -1,7 +1,8 @@
 """A burst of releases: one pod records a thousand objects and releases them together.
 
-Why: kopf once ran the operator's handlers in its thread pool, so the ledger changed under the
-workers' decisions ("Set changed size during iteration" hundreds of times under such a burst).
+Why: kopf, which the operator once watched GPUObjects with, ran its handlers in a thread pool, so the
+ledger changed under the workers' decisions ("Set changed size during iteration" hundreds of times
+under such a burst). Its informers now call their handlers on the event loop.
 Every object must be freed, and the operator must log no error at all.
 """
 

@@ -1,4 +1,5 @@
-"""The stream reader's list-then-watch loop: 410 relists at once, other errors are retried, then raised.
+"""The stream reader's watches (the project's one informer): 410 relists at once, other errors are retried,
+then the real one is raised.
 
 A scripted stand-in for the API server (pure logic); tests/e2e/operator/test_client_refusals.py
 runs the same loop against the real API server behind a proxy taken down and brought back.
@@ -39,7 +40,7 @@ def reader(kube: ScriptedKube) -> streams.StreamReader:
 
 
 def test_errors_other_than_410_are_retried_with_backoff_and_410_relists_at_once(monkeypatch) -> None:
-    monkeypatch.setattr(streams, "WATCH_BACKOFF_START", 0.001)
+    monkeypatch.setattr(streams, "WATCH_BACKOFF", (0.001, 0.002))
 
     async def go() -> None:
         kube = ScriptedKube([Gone(410, "Expired", "too old"), ConnectionRefusedError("refused"),
@@ -51,26 +52,29 @@ def test_errors_other_than_410_are_retried_with_backoff_and_410_relists_at_once(
             if obj["metadata"]["name"] == "s-1":
                 second.set()
 
-        task = asyncio.create_task(r._follow(GPUOBJECTS, {}, on_event))
+        r._informers = [r._informer(on_event, resource=GPUOBJECTS)]
+        r._informers[0].start()
         async with asyncio.timeout(10):
             await second.wait()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await r._informers[0].stop()
         assert kube.lists == 4 and r.watch_failures == 2 and seen == ["s-0", "s-1"]  # the 410 is not a failure
 
     asyncio.run(go())
 
 
 def test_an_error_that_persists_is_raised_as_itself(monkeypatch) -> None:
-    monkeypatch.setattr(streams, "WATCH_BACKOFF_START", 0.001)
+    monkeypatch.setattr(streams, "WATCH_BACKOFF", (0.001, 0.002))
+    monkeypatch.setattr(streams, "WATCH_GIVE_UP_SECONDS", 0.05)
 
     async def go() -> None:
         forbidden = ApiError(403, "Forbidden", "cannot list gpuobjects")
-        kube = ScriptedKube([forbidden] * streams.WATCH_ATTEMPTS)
+        kube = ScriptedKube([forbidden] * 10_000)
         r = reader(kube)
+        r.item_timeout = 10
+        r._start_watches()
         with pytest.raises(ApiError) as caught:
-            async with asyncio.timeout(10):
-                await r._follow(GPUOBJECTS, {}, lambda obj, deleted: None)
-        assert caught.value is forbidden and kube.lists == streams.WATCH_ATTEMPTS
+            await r._next_item(0)  # what the reader's loop waits on: it raises the informer's real error
+        await r._stop_watches()
+        assert caught.value is forbidden and r.watch_failures >= 2
 
     asyncio.run(go())

@@ -96,3 +96,45 @@ def test_an_error_that_persists_ends_the_informer_with_the_real_error() -> None:
     with pytest.raises(InformerFailed, match="missing RBAC") as failed:
         run(kube, seed=([], "10"), backoff=(0.001, 0.002), give_up_after=0.02)
     assert failed.value.__cause__ is not None and "Forbidden" in str(failed.value.__cause__)
+
+
+def test_the_handler_runs_on_the_event_loop_thread() -> None:
+    import threading
+
+    threads: list[int] = []
+    kube = FakeKube([], [[("ADDED", pod("a", "11")), ("MODIFIED", pod("a", "12"))]])
+
+    async def go() -> None:
+        loop_thread = threading.get_ident()
+        informer = Informer(kube, PODS, lambda t, o: threads.append(threading.get_ident()))  # type: ignore[arg-type]
+        informer.seed([], "10")
+        informer.start()
+        await asyncio.wait_for(kube.idle.wait(), 10)
+        await informer.stop()
+        assert threads == [loop_thread, loop_thread]
+
+    asyncio.run(go())
+
+
+def test_a_coroutine_handler_is_refused() -> None:
+    async def handler(kind, obj) -> None:  # would never run: nothing awaits what it returns
+        pass
+
+    with pytest.raises(TypeError, match="plain function"):
+        Informer(FakeKube([], []), PODS, handler)  # type: ignore[arg-type]
+
+
+def test_it_remembers_identities_only_and_reports_a_relist_deletion_with_one() -> None:
+    big = pod("a", "5") | {"spec": {"tensors": ["x" * 1000]}, "status": {"state": "Ready"}}
+    deleted: list = []
+    kube = FakeKube([{"metadata": {"resourceVersion": "20"}, "items": []}], [[("ADDED", big)], Gone(410, "Gone", "")])
+
+    async def go() -> None:
+        informer = Informer(kube, PODS, lambda t, o: deleted.append(o) if t == "DELETED" else None)  # type: ignore[arg-type]
+        informer.seed([], "4")
+        informer.start()
+        await asyncio.wait_for(kube.idle.wait(), 10)
+        await informer.stop()
+
+    asyncio.run(go())
+    assert deleted == [{"metadata": {"namespace": "ml", "name": "a", "uid": "u-a"}}]

@@ -1,38 +1,49 @@
-"""kopf's handlers are coroutines: kopf runs a plain function in its thread pool, and the handlers feed the
-ledger and the work queue, which only the event loop may touch (a burst of releases once raced the
-workers: "Set changed size during iteration")."""
+"""Every watch handler of the operator runs on the event loop: the handlers feed the ledger and the work
+queue, which only the loop may touch (a burst of releases once raced the workers from kopf's thread pool:
+"Set changed size during iteration"). The operator's watches are gpuobj_kube informers, which call their
+handler in their own task, and kopf (which runs a plain handler in a thread) is not part of it at all."""
 
 from __future__ import annotations
 
-import inspect
-
-import kopf
-from kopf._core.intents.registries import GenericRegistry
-
-from gpuobj_operator.main import build_registry
+import subprocess
+import sys
 
 
-def _all_handlers(registry: kopf.OperatorRegistry) -> list:
-    # Every kind of handler kopf keeps (activities, events, changes, daemons, webhooks...): a new kind is checked too.
-    kinds = [r for r in vars(registry).values() if isinstance(r, GenericRegistry)]
-    assert len(kinds) >= 5, f"kopf's registry changed shape: {sorted(vars(registry))}"
-    return [h for kind in kinds for h in kind.get_all_handlers()]
+def test_the_operator_imports_no_watch_framework_that_runs_handlers_in_threads() -> None:
+    # A fresh interpreter: whether importing the operator's entry point pulls kopf in.
+    code = "import sys, gpuobj_operator.main; print('kopf' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"
 
 
-def test_every_kopf_handler_of_the_operator_runs_on_the_event_loop() -> None:
-    handlers = _all_handlers(build_registry(reconciler=None, config=None))  # type: ignore[arg-type]
-    ids = sorted(str(h.id) for h in handlers)
-    assert any("on_object" in i for i in ids) and any("on_stream" in i for i in ids), ids
-    threaded = [str(h.id) for h in handlers if not inspect.iscoroutinefunction(h.fn)]
-    assert threaded == [], f"sync handlers run in kopf's thread pool: {threaded}"
+def test_every_watch_of_the_operator_is_an_informer_with_plain_handlers() -> None:
+    # The handlers the operator gives its informers (main.lead, signer.py): plain functions, on the loop.
+    import inspect
+
+    from gpuobj_operator.intake import Intake
+    from gpuobj_operator.signer import Signer
+
+    handlers = [Intake.on_object, Intake.on_claim, Intake.on_stream, Intake.on_pod, Signer._on_csr]
+    assert [h.__name__ for h in handlers if inspect.iscoroutinefunction(h)] == []
 
 
-def test_the_check_sees_a_sync_handler() -> None:
-    registry = build_registry(reconciler=None, config=None)  # type: ignore[arg-type]
+def test_a_terms_stop_steps_run_to_their_end() -> None:
+    # A term's wind-down once cancelled each stop step before it ran: the old term's informers and
+    # workers went on acting beside the next term's (each free logged once per term ever led).
+    import asyncio
 
-    @kopf.on.event("gpuobj.io", "v1alpha1", "gpuobjects", registry=registry)
-    def sync_handler(**_):  # what the operator must never register
-        pass
+    from gpuobj_operator.main import run_within
 
-    threaded = [h for h in _all_handlers(registry) if not inspect.iscoroutinefunction(h.fn)]
-    assert [h.fn for h in threaded] == [sync_handler]
+    ran: list[str] = []
+
+    async def step() -> None:
+        await asyncio.sleep(0)
+        ran.append("stopped")
+
+    async def hangs() -> None:
+        await asyncio.Event().wait()
+
+    async def go() -> tuple[bool, bool]:
+        return await run_within(step(), 1.0), await run_within(hangs(), 0.05)
+
+    assert asyncio.run(go()) == (True, False) and ran == ["stopped"]
