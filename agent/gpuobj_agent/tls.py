@@ -33,7 +33,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from gpuobj_contract import agent_tls
-from gpuobj_kube.client import CSRS, KubeClient, wait_for
+from gpuobj_kube.client import CSRS, KubeClient
+from gpuobj_kube.informer import wait_for
 
 log = logging.getLogger(__name__)
 

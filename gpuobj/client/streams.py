@@ -19,8 +19,8 @@ from gpuobj.client.errors import StreamClosedError
 from gpuobj.client.handles import ObjectAddress
 from gpuobj_contract import names
 from gpuobj_contract import resources as crd
-from gpuobj_kube.client import GPUOBJECTS, STREAMS, wait_for
-from gpuobj_kube.informer import Informer, InformerFailed
+from gpuobj_kube.client import GPUOBJECTS, STREAMS
+from gpuobj_kube.informer import Informer, InformerFailed, wait_for
 
 if TYPE_CHECKING:
     from gpuobj.client.core import ClientCore

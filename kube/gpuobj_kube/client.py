@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -362,41 +362,3 @@ class KubeClient:
                     code = status.get("code", 500)
                     raise _ERRORS.get(code, ApiError)(code, status.get("reason", ""), status.get("message", ""), status)
                 yield event["type"], event["object"]
-
-
-async def wait_for(
-    client: KubeClient,
-    res: Resource,
-    name: str,
-    namespace: str | None,
-    predicate: Callable[[dict[str, Any] | None], bool],
-    *,
-    timeout: float,
-) -> dict[str, Any] | None:
-    """Wait until ``predicate(obj)`` holds (obj is None once deleted), by watching, with a deadline.
-
-    Returns the object (None when the predicate accepted its absence). Raises TimeoutError.
-    """
-
-    async def _wait() -> dict[str, Any] | None:
-        while True:
-            try:
-                obj = await client.get(res, name, namespace)
-            except NotFound:
-                obj = None
-            if predicate(obj):
-                return obj
-            rv = obj["metadata"]["resourceVersion"] if obj else None
-            try:
-                async for kind, event_obj in client.watch(
-                    res, namespace, resource_version=rv, field_selector=f"metadata.name={name}", timeout_seconds=60
-                ):
-                    if kind == "BOOKMARK":
-                        continue
-                    current = None if kind == "DELETED" else event_obj
-                    if predicate(current):
-                        return current
-            except Gone:
-                continue
-
-    return await asyncio.wait_for(_wait(), timeout)

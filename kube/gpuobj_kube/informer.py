@@ -29,7 +29,7 @@ from typing import Any
 
 import aiohttp
 
-from gpuobj_kube.client import ApiError, Gone, KubeClient, Resource
+from gpuobj_kube.client import ApiError, Gone, KubeClient, NotFound, Resource
 
 log = logging.getLogger("gpuobj.informer")
 
@@ -191,3 +191,67 @@ class Informer:
                 log.exception("watch of %s failed", self.resource.plural)
                 rv = None  # an event may not have been applied: list again rather than skip it
                 await asyncio.sleep(delay)
+
+
+def _passing(exc: BaseException) -> bool:
+    """An error that may pass by itself: the API server restarting, overloaded or cut off."""
+    if isinstance(exc, (OSError, TimeoutError, aiohttp.ClientError)):
+        return True  # ApiTimeout included: no answer within the request's deadline
+    return isinstance(exc, ApiError) and (exc.status >= 500 or exc.status == 429)
+
+
+async def wait_for(
+    client: KubeClient,
+    res: Resource,
+    name: str,
+    namespace: str | None,
+    predicate: Callable[[JSON | None], bool],
+    *,
+    timeout: float,
+    backoff: tuple[float, float] = (0.1, 2.0),
+) -> JSON | None:
+    """Wait until ``predicate(obj)`` holds for one object (obj is None once deleted), by watching it.
+
+    Why not an Informer: one object, by name, with a GET and a watch (the verbs an agent has on its CSR;
+    an informer lists, which needs ``list``). The same rules otherwise: 410 reads again at once; an
+    error that may pass (5xx, 429, a refused or cut connection) is retried with backoff until the
+    deadline and, if it lasts until then, raised as itself rather than as a bare timeout; any other
+    (a 403: missing RBAC) is raised at once. Returns the object (None when the predicate accepted its
+    absence). Raises TimeoutError when the deadline passes with the API server answering.
+    """
+    failing: list[BaseException] = []  # the current run of errors, if any
+
+    async def _wait() -> JSON | None:
+        first, cap = backoff
+        while True:
+            try:
+                try:
+                    obj = await client.get(res, name, namespace)
+                except NotFound:
+                    obj = None
+                failing.clear()
+                if predicate(obj):
+                    return obj
+                rv = obj["metadata"]["resourceVersion"] if obj else None
+                async for kind, event_obj in client.watch(
+                    res, namespace, resource_version=rv, field_selector=f"metadata.name={name}", timeout_seconds=60
+                ):
+                    if kind == "BOOKMARK":
+                        continue
+                    current = None if kind == "DELETED" else event_obj
+                    if predicate(current):
+                        return current
+            except Gone:
+                continue
+            except Exception as exc:
+                if not _passing(exc):
+                    raise
+                failing.append(exc)
+                await asyncio.sleep(min(cap, first * 2.0 ** (len(failing) - 1)))
+
+    try:
+        return await asyncio.wait_for(_wait(), timeout)
+    except TimeoutError:
+        if failing:
+            raise failing[-1] from None
+        raise

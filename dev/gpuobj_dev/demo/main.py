@@ -31,7 +31,8 @@ from gpuobj_dev.testing.identities import OPERATOR_SA, WORKLOAD_SA, credentials,
 from gpuobj_dev.testing.operator import OperatorProcess
 from gpuobj_dev.testing.pods import create_agent_pod, delete_pod
 from gpuobj_dev.testing.workload import WorkloadProcess
-from gpuobj_kube.client import NAMESPACES, NotFound, wait_for
+from gpuobj_kube.client import NAMESPACES, NotFound
+from gpuobj_kube.informer import wait_for
 
 NAMESPACE = "gpuobj-demo"
 MIB = 1 << 20

@@ -8,7 +8,8 @@ what a scheduled workload pod is.
 from __future__ import annotations
 
 from gpuobj_contract import names
-from gpuobj_kube.client import PODS, KubeClient, NotFound, wait_for
+from gpuobj_kube.client import PODS, KubeClient, NotFound
+from gpuobj_kube.informer import wait_for
 
 
 async def create_agent_pod(

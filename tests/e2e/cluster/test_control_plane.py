@@ -12,7 +12,8 @@ import uuid
 import pytest
 
 from gpuobj_dev.testing.cluster import ClusterHandle
-from gpuobj_kube.client import PODS, NotFound, Resource, wait_for
+from gpuobj_kube.client import PODS, NotFound, Resource
+from gpuobj_kube.informer import wait_for
 
 WIDGETS = Resource("smoke.gpuobj.io", "v1", "widgets", "Widget")
 CONFIGMAPS = Resource("", "v1", "configmaps", "ConfigMap")

@@ -27,7 +27,8 @@ from gpuobj_dev.testing.identities import OPERATOR_SA, credentials, install_iden
 from gpuobj_dev.testing.operator import OperatorProcess
 from gpuobj_dev.testing.pods import create_agent_pod, delete_pod
 from gpuobj_dev.testing.prometheus import Prometheus, Result, sample_value
-from gpuobj_kube.client import GPUOBJECTS, PODS, NotFound, wait_for
+from gpuobj_kube.client import GPUOBJECTS, PODS, NotFound
+from gpuobj_kube.informer import wait_for
 from tests.e2e.operator.conftest import start_operator
 
 # What Kubernetes service discovery would attach to the operator's target (see scrape.py).

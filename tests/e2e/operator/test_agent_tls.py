@@ -30,8 +30,9 @@ from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.identities import WORKLOAD_SA, credentials, install_identities
 from gpuobj_dev.testing.operator import OperatorProcess
 from gpuobj_dev.testing.pods import create_agent_pod
-from gpuobj_kube.client import CSRS, KubeClient, wait_for
+from gpuobj_kube.client import CSRS, KubeClient
 from gpuobj_kube.config import from_kubeconfig
+from gpuobj_kube.informer import wait_for
 from gpuobj_operator.agent_ca import CertificateAuthority, ClientCertificate
 from gpuobj_operator.agent_client import AgentClient, AgentNotVerified, AgentUnreachable
 from gpuobj_operator.signer import requester

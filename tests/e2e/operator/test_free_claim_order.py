@@ -22,8 +22,9 @@ from gpuobj_dev.testing.agent_tls import PLAIN
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.operator import OperatorProcess
 from gpuobj_dev.testing.records import user_claims
-from gpuobj_kube.client import CLAIMS, GPUOBJECTS, ApiTimeout, KubeClient, wait_for
+from gpuobj_kube.client import CLAIMS, GPUOBJECTS, ApiTimeout, KubeClient
 from gpuobj_kube.config import from_kubeconfig
+from gpuobj_kube.informer import wait_for
 from gpuobj_operator.actions import Free
 from gpuobj_operator.agent_client import AgentClient
 from gpuobj_operator.claimcheck import Watermark

@@ -12,7 +12,8 @@ from gpuobj_contract import names
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.pods import create_agent_pod
 from gpuobj_dev.testing.waits import wait_until
-from gpuobj_kube.client import GPUOBJECTS, LEASES, wait_for
+from gpuobj_kube.client import GPUOBJECTS, LEASES
+from gpuobj_kube.informer import wait_for
 from tests.e2e.operator.conftest import start_operator
 
 

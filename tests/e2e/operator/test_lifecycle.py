@@ -16,7 +16,8 @@ from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.operator import OperatorProcess
 from gpuobj_dev.testing.records import user_claims
 from gpuobj_dev.testing.waits import wait_until
-from gpuobj_kube.client import CLAIMS, GPUOBJECTS, wait_for
+from gpuobj_kube.client import CLAIMS, GPUOBJECTS
+from gpuobj_kube.informer import wait_for
 from tests.e2e.operator.conftest import Pods, kube
 
 pytestmark = pytest.mark.nixl

@@ -25,7 +25,8 @@ from gpuobj_dev.testing.clusterwide import operator_home
 from gpuobj_dev.testing.identities import operator_subject
 from gpuobj_dev.testing.operator import OperatorProcess
 from gpuobj_dev.testing.waits import wait_until
-from gpuobj_kube.client import CLAIMS, GPUOBJECTS, NotFound, wait_for
+from gpuobj_kube.client import CLAIMS, GPUOBJECTS, NotFound
+from gpuobj_kube.informer import wait_for
 from tests.e2e.operator.conftest import FAST_ARGS, Pods, kube, start_operator
 
 pytestmark = pytest.mark.nixl

@@ -20,7 +20,8 @@ from gpuobj_dev.testing.clusterwide import Home, operator_home
 from gpuobj_dev.testing.identities import LEASE_NAME, install_identities
 from gpuobj_dev.testing.operator import OperatorProcess
 from gpuobj_dev.testing.waits import wait_until
-from gpuobj_kube.client import GPUOBJECTS, LEASES, wait_for
+from gpuobj_kube.client import GPUOBJECTS, LEASES
+from gpuobj_kube.informer import wait_for
 from gpuobj_operator.shards import shard_of
 from tests.conftest import failed
 from tests.e2e.operator.conftest import FAST_ARGS, Pods, kube

@@ -138,3 +138,47 @@ def test_it_remembers_identities_only_and_reports_a_relist_deletion_with_one() -
 
     asyncio.run(go())
     assert deleted == [{"metadata": {"namespace": "ml", "name": "a", "uid": "u-a"}}]
+
+
+class OneObject:
+    """``get`` answers from a script (an error, or the object's state); ``watch`` stays quiet."""
+
+    def __init__(self, gets: list) -> None:
+        self.gets = gets
+
+    async def get(self, res, name, namespace=None):
+        step = self.gets.pop(0) if len(self.gets) > 1 else self.gets[0]
+        if isinstance(step, BaseException):
+            raise step
+        return step
+
+    async def watch(self, res, namespace=None, **_):
+        await asyncio.Event().wait()
+        yield  # pragma: no cover
+
+
+def wait(gets: list, timeout: float = 5.0):
+    from gpuobj_kube.informer import wait_for
+
+    ready = lambda o: o is not None and o.get("ready")  # noqa: E731
+    return asyncio.run(wait_for(OneObject(gets), PODS, "a", "ml", ready, timeout=timeout, backoff=(0.001, 0.002)))  # type: ignore[arg-type]
+
+
+def test_wait_for_retries_errors_that_may_pass() -> None:
+    unavailable = ApiError(503, "ServiceUnavailable", "etcd")
+    assert wait([unavailable, OSError("refused"), {"ready": True}]) == {"ready": True}
+
+
+def test_wait_for_raises_an_error_that_lasts_to_the_deadline_as_itself() -> None:
+    unavailable = ApiError(503, "ServiceUnavailable", "etcd is down")
+    with pytest.raises(ApiError, match="etcd is down"):
+        wait([unavailable], timeout=0.2)
+
+
+def test_wait_for_raises_a_refusal_at_once_and_times_out_plainly_when_the_api_answers() -> None:
+    forbidden = ApiError(403, "Forbidden", "cannot get pods")
+    with pytest.raises(ApiError, match="cannot get pods"):
+        wait([forbidden], timeout=30)
+    with pytest.raises(TimeoutError) as plain:
+        wait([{"ready": False, "metadata": {"resourceVersion": "3"}}], timeout=0.2)
+    assert not isinstance(plain.value, ApiError)
