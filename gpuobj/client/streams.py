@@ -11,7 +11,6 @@ deleting the stream frees every item, reported or not.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +25,6 @@ if TYPE_CHECKING:
     from gpuobj.client.core import ClientCore
     from gpuobj.client.loop import Runner
 
-log = logging.getLogger("gpuobj.client.streams")
 
 # A watch error other than 410 is retried with backoff (the project's one informer, gpuobj_kube.informer);
 # errors in a row for this long are the reader's error, raised as themselves.
@@ -85,7 +83,6 @@ class StreamReader:
         self.item_timeout = item_timeout
         self.position: int | None = None
         self._informers: list[Informer] = []
-        self._watches: list[asyncio.Task[None]] = []
 
     @property
     def watch_failures(self) -> int:
@@ -137,20 +134,23 @@ class StreamReader:
             informer.start()
             assert informer.task is not None
             informer.task.add_done_callback(lambda _: self._changed.set())  # a watch that gave up wakes the reader
-            self._watches.append(informer.task)
 
     async def _stop_watches(self) -> None:
         for informer in self._informers:
             await informer.stop()
-        self._watches = []
 
     async def _next_item(self, index: int) -> tuple[dict | None, bool]:
         """Wait for item ``index``; (None, True) at the end of the stream. Bounded by ``item_timeout``."""
 
         async def wait() -> tuple[dict | None, bool]:
             while True:
-                for task in self._watches:
-                    if task.done() and not task.cancelled() and (error := task.exception()) is not None:
+                for task in (i.task for i in self._informers):
+                    if (
+                        task is not None
+                        and task.done()
+                        and not task.cancelled()
+                        and (error := task.exception()) is not None
+                    ):
                         # The real error (a 403, the API server unreachable), not the informer's summary.
                         raise error.__cause__ if isinstance(error, InformerFailed) and error.__cause__ else error
                 if index in self._items:

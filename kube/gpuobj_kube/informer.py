@@ -46,6 +46,12 @@ def _key(obj: JSON) -> ObjectKey:
     return (obj["metadata"].get("namespace", ""), obj["metadata"]["name"])
 
 
+def backoff_delay(backoff: tuple[float, float], failures: int) -> float:
+    """Seconds before the next try after ``failures`` errors in a row: doubling from the first, capped."""
+    first, cap = backoff
+    return min(cap, first * 2.0 ** (failures - 1))
+
+
 def identity_of(obj: JSON) -> JSON:
     """What an informer keeps of an object to report its deletion: namespace, name and uid."""
     meta = obj["metadata"]
@@ -142,9 +148,7 @@ class Informer:
             raise InformerFailed(
                 f"watch of {self.resource.plural} failing for {now - self.failing_since:.0f}s: {exc}"
             ) from exc
-        first, cap = self.backoff
-        delay: float = min(cap, first * 2.0 ** (self._failures - 1))
-        return delay
+        return backoff_delay(self.backoff, self._failures)
 
     def _recovered(self) -> None:
         if self.failing_since is not None:
@@ -222,7 +226,6 @@ async def wait_for(
     failing: list[BaseException] = []  # the current run of errors, if any
 
     async def _wait() -> JSON | None:
-        first, cap = backoff
         while True:
             try:
                 try:
@@ -247,7 +250,7 @@ async def wait_for(
                 if not _passing(exc):
                     raise
                 failing.append(exc)
-                await asyncio.sleep(min(cap, first * 2.0 ** (len(failing) - 1)))
+                await asyncio.sleep(backoff_delay(backoff, len(failing)))
 
     try:
         return await asyncio.wait_for(_wait(), timeout)
