@@ -89,9 +89,10 @@ gpuobj-claims-progress
 
 {{/*
 The operator's rules on workload objects: derived from operator/gpuobj_operator (reconciler.py,
-informer.py, events.py, main.py). Watches and lists (kopf and the pod informer), reads, finalizer and
-ownerReference patches, status patches, deletes of objects and claims it settles, Events it posts.
-Nothing on Secrets, CRDs or namespaces (kopf runs standalone with scanning disabled).
+free_path.py, events.py, main.py) and the informers of kube/gpuobj_kube/informer.py. Watches and lists
+(one informer per kind), reads, finalizer and ownerReference patches, status patches, deletes of
+objects and claims it settles, Events it posts. Nothing on Secrets, CRDs or namespaces: it watches only
+the kinds it names.
 */}}
 {{- define "gpuobj.operator.rules" -}}
 - apiGroups: [gpuobj.io]

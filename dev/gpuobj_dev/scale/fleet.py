@@ -149,7 +149,12 @@ class Fleet:
                 created = await self.admin.create(PODS, self.pod_body(pod), self.namespace)  # type: ignore[union-attr]
                 pod.uid = created["metadata"]["uid"]
 
-        await asyncio.gather(*(one(p) for p in made))
+        if start == 0 and made:
+            # kwok v0.8 makes a CIDR's IP pool on first use with a Load-then-Store that races: pods started
+            # together before the pool exists can get the same IP. The first pod goes alone to make it.
+            await one(made[0])
+            await self.wait_running(made[:1], timeout=60)
+        await asyncio.gather(*(one(p) for p in made if not p.uid))
         for p in made:
             self.pods[p.name] = p
         return made
@@ -171,10 +176,22 @@ class Fleet:
             if progress:
                 progress(running, len(want))
             if running == len(want):
+                self._refuse_shared_ips(pods)
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{running}/{len(want)} pods Running with a pod IP after {timeout:.0f}s")
             await asyncio.sleep(0.5)
+
+    def _refuse_shared_ips(self, pods: list[FleetPod]) -> None:
+        """Two live pods with one IP would make one agent's bind fail as 'address already in use'."""
+        holders: dict[str, list[str]] = {}
+        named = {p.name: p for p in self.alive()} | {p.name: p for p in pods}
+        for pod in named.values():
+            if pod.ip:
+                holders.setdefault(pod.ip, []).append(pod.name)
+        shared = {ip: who for ip, who in holders.items() if len(who) > 1}
+        if shared:
+            raise RuntimeError(f"kwok gave one pod IP to several pods: {shared}")
 
     async def _token(self, pod: FleetPod, audience: str | None) -> tuple[str, float]:
         async with self._tokens:

@@ -115,12 +115,17 @@ class FleetAgent:
         return f"{self.config.host}:{self.port or self.config.port}"
 
     async def start(self) -> None:
+        """Serve at the pod's address; a failed start (say, the address is taken) stops what it began."""
         await self.fencer.start()
         self.store.start_pump()
         self._runner = web.AppRunner(build_app(self), access_log=None, handle_signals=False, shutdown_timeout=1.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True, backlog=512)
-        await site.start()
+        try:
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True, backlog=512)
+            await site.start()
+        except BaseException:
+            await self.die()
+            raise
         self.port = int(self._runner.addresses[0][1])
 
     async def die(self) -> None:
