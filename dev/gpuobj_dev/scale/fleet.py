@@ -19,6 +19,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from gpuobj_agent.auth import IssuerKeys
 from gpuobj_agent.config import AgentConfig
 from gpuobj_contract import names
 from gpuobj_dev.scale.fleet_agent import FleetAgent
+from gpuobj_dev.scale.kwok import POD_IP_ANNOTATION
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.identities import WORKLOAD_SA, request_token, write_token_kubeconfig
 from gpuobj_kube.client import PODS, KubeClient, NotFound
@@ -76,11 +78,14 @@ class Fleet:
         folder: Path,
         *,
         nodes: list[str],
+        pod_ip: Callable[[int], str],
         operator_subject: str,
         token_concurrency: int = 8,
     ) -> None:
+        """`pod_ip(n)`: the address of the run's n-th pod (`Kwok.pod_ip`), which kwok reports as its podIP."""
         self.handle, self.namespace, self.folder = handle, namespace, Path(folder)
         self.nodes = nodes
+        self.pod_ip = pod_ip
         self.operator_subject = operator_subject
         self.pods: dict[str, FleetPod] = {}
         self.admin: KubeClient | None = None
@@ -121,6 +126,7 @@ class Fleet:
             "metadata": {
                 "name": pod.name,
                 "labels": {names.LABEL_AGENT: "true", "app.kubernetes.io/part-of": "gpuobj-scale"},
+                "annotations": {POD_IP_ANNOTATION: pod.ip},
             },
             "spec": {
                 "nodeName": pod.node,
@@ -141,7 +147,10 @@ class Fleet:
         """Create `count` pods bound to the kwok nodes round robin (kwok makes them Running)."""
         assert self.admin is not None
         start = len(self.pods)
-        made = [FleetPod(f"{prefix}-{start + i:05d}", self.nodes[(start + i) % len(self.nodes)]) for i in range(count)]
+        made = [
+            FleetPod(f"{prefix}-{start + i:05d}", self.nodes[(start + i) % len(self.nodes)], ip=self.pod_ip(start + i))
+            for i in range(count)
+        ]
         sem = asyncio.Semaphore(concurrency)
 
         async def one(pod: FleetPod) -> None:
@@ -149,12 +158,7 @@ class Fleet:
                 created = await self.admin.create(PODS, self.pod_body(pod), self.namespace)  # type: ignore[union-attr]
                 pod.uid = created["metadata"]["uid"]
 
-        if start == 0 and made:
-            # kwok v0.8 makes a CIDR's IP pool on first use with a Load-then-Store that races: pods started
-            # together before the pool exists can get the same IP. The first pod goes alone to make it.
-            await one(made[0])
-            await self.wait_running(made[:1], timeout=60)
-        await asyncio.gather(*(one(p) for p in made if not p.uid))
+        await asyncio.gather(*(one(p) for p in made))
         for p in made:
             self.pods[p.name] = p
         return made
@@ -171,27 +175,16 @@ class Fleet:
                 pod = want.get(raw["metadata"]["name"])
                 status = raw.get("status") or {}
                 if pod is not None and status.get("phase") == "Running" and status.get("podIP"):
-                    pod.ip = status["podIP"]
+                    if status["podIP"] != pod.ip:  # two agents could then share an address
+                        raise RuntimeError(f"kwok reported pod {pod.name} at {status['podIP']}, not {pod.ip}")
                     running += 1
             if progress:
                 progress(running, len(want))
             if running == len(want):
-                self._refuse_shared_ips(pods)
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{running}/{len(want)} pods Running with a pod IP after {timeout:.0f}s")
             await asyncio.sleep(0.5)
-
-    def _refuse_shared_ips(self, pods: list[FleetPod]) -> None:
-        """Two live pods with one IP would make one agent's bind fail as 'address already in use'."""
-        holders: dict[str, list[str]] = {}
-        named = {p.name: p for p in self.alive()} | {p.name: p for p in pods}
-        for pod in named.values():
-            if pod.ip:
-                holders.setdefault(pod.ip, []).append(pod.name)
-        shared = {ip: who for ip, who in holders.items() if len(who) > 1}
-        if shared:
-            raise RuntimeError(f"kwok gave one pod IP to several pods: {shared}")
 
     async def _token(self, pod: FleetPod, audience: str | None) -> tuple[str, float]:
         async with self._tokens:

@@ -101,6 +101,7 @@ class ScaleHarness:
             self.namespace,
             self.folder / "pods",
             nodes=self.node_names,
+            pod_ip=self.kwok.pod_ip,
             operator_subject=operator_subject(self.namespace),
         )
         await self.fleet.start()

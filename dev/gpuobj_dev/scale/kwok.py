@@ -1,10 +1,11 @@
 """kwok out of cluster against the dev control plane: fake nodes, and pods on them Running with pod IPs.
 
 Why kwok: it plays the kubelet of many nodes at a few MB each (node heartbeats, pod status, pod
-deletion), so a 2-core machine holds a thousand pods. Its pod IPs come from a CIDR of its own; that
-CIDR is made local on this machine (`ip route add local <cidr> dev lo`), so the agent fleet can bind
-every pod's address on loopback and the operator reaches each agent at `status.podIP`, the path it
-takes in production. The route is removed on teardown; making it needs root.
+deletion), so a 2-core machine holds a thousand pods. Pod IPs come from a CIDR of the run's own (the
+fleet gives each pod its address, `Kwok.pod_ip`, and kwok reports it). That CIDR is made local on this
+machine (`ip route add local <cidr> dev lo`), so the agent fleet can bind every pod's address on
+loopback and the operator reaches each agent at `status.podIP`, the path it takes in production. The
+route is removed on teardown; making it needs root.
 """
 
 from __future__ import annotations
@@ -24,10 +25,14 @@ from gpuobj_dev import toolchain
 # The real-node tests use 10.217.0.0/24 (the CNI bridge); the scale harness stays clear of it.
 DEFAULT_CIDR = "10.218.0.0/16"
 NODE_LABEL = "gpuobj.io/kwok-fleet"
+# The fleet gives each pod its IP in this annotation, and kwok's stage reports it as status.podIP. kwok's
+# own pool (v0.8) is made on first use with a Load, then a Store: two of its workers can each make one,
+# and two pods then got the same first address (an agent's bind failed 'address already in use').
+POD_IP_ANNOTATION = "kwok.gpuobj.io/pod-ip"
 
 
 # kwok acts only through stages (v0.8 has none built in). Ours are the least a kubelet does for these
-# pods: a node reports Ready; a pod bound to it gets Running, Ready and an IP from kwok's CIDR, once
+# pods: a node reports Ready; a pod bound to it gets Running, Ready and the IP its annotation names, once
 # (a later status, e.g. a container restart the fleet reports, is left alone); a deleted pod is removed.
 NODE_READY_TEMPLATE = """\
 {{ $now := Now }}
@@ -46,7 +51,7 @@ addresses:
 """
 POD_RUNNING_TEMPLATE = """\
 {{ $now := Now }}
-{{ $ip := PodIPWith .spec.nodeName false .metadata.uid .metadata.name .metadata.namespace }}
+{{ $ip := index .metadata.annotations "@POD_IP_ANNOTATION@" }}
 phase: Running
 startTime: {{ $now | Quote }}
 hostIP: {{ NodeIPWith .spec.nodeName | Quote }}
@@ -74,7 +79,7 @@ containerStatuses:
     running:
       startedAt: {{ $now | Quote }}
 {{ end }}
-"""
+""".replace("@POD_IP_ANNOTATION@", POD_IP_ANNOTATION)
 
 
 def stages() -> list[dict]:
@@ -194,6 +199,14 @@ class Kwok:
             self.cidr, self.route = cidr, route
             return
         raise KwokError("; ".join(errors))
+
+    def pod_ip(self, n: int) -> str:
+        """The `n`-th pod's address in the run's CIDR (after `start`, which picks the CIDR): unique by
+        construction, never reused within the run. The first address is the nodes' IP."""
+        network = ipaddress.ip_network(self.cidr)
+        if n + 2 >= network.num_addresses - 1:
+            raise KwokError(f"pod CIDR {network} has no address left for pod {n}")
+        return str(network.network_address + 2 + n)
 
     def node_body(self, name: str) -> dict:
         """A Node kwok takes over (by label); no taint, since pods are bound by spec.nodeName, not scheduled."""
