@@ -200,13 +200,18 @@ class Kwok:
             return
         raise KwokError("; ".join(errors))
 
+    def node_ip(self) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+        """Every node's IP: the first address of the run's CIDR (after `start`, which picks the CIDR)."""
+        return ipaddress.ip_network(self.cidr).network_address + 1
+
     def pod_ip(self, n: int) -> str:
-        """The `n`-th pod's address in the run's CIDR (after `start`, which picks the CIDR): unique by
-        construction, never reused within the run. The first address is the nodes' IP."""
+        """The `n`-th pod's address, the ones after the nodes' IP: unique by construction, never reused
+        within the run."""
         network = ipaddress.ip_network(self.cidr)
-        if n + 2 >= network.num_addresses - 1:
+        address = self.node_ip() + 1 + n
+        if address >= network.broadcast_address:
             raise KwokError(f"pod CIDR {network} has no address left for pod {n}")
-        return str(network.network_address + 2 + n)
+        return str(address)
 
     def node_body(self, name: str) -> dict:
         """A Node kwok takes over (by label); no taint, since pods are bound by spec.nodeName, not scheduled."""
@@ -227,7 +232,6 @@ class Kwok:
     def start(self) -> None:
         binary = toolchain.ensure(["kwok"])["kwok"]
         self._take_route()
-        network = ipaddress.ip_network(self.cidr)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         config = self.log_path.parent / "kwok-stages.yaml"
         config.write_text(yaml.safe_dump_all(stages(), sort_keys=False))
@@ -239,8 +243,8 @@ class Kwok:
                     f"--config={config}",
                     "--manage-all-nodes=false",
                     f"--manage-nodes-with-label-selector={NODE_LABEL}={self.run_id}",
-                    f"--cidr={network}",
-                    f"--node-ip={network.network_address + 1}",
+                    f"--cidr={self.cidr}",
+                    f"--node-ip={self.node_ip()}",
                     f"--server-address=127.0.0.1:{_free_port()}",
                     "--node-lease-duration-seconds=40",
                 ],
