@@ -35,6 +35,7 @@ from gpuobj_operator.claimcheck import Watermark
 from gpuobj_operator.events import EventRecorder
 from gpuobj_operator.leader import Backoff, LeaderElector, LeaseConfig
 from gpuobj_operator.ledger import Ledger
+from gpuobj_operator.liveview import server as liveview
 from gpuobj_operator.metrics import OperatorMetrics
 from gpuobj_operator.progress_marker import MarkerMisconfigured, ProgressMarker, marker_namespace, marker_writer
 from gpuobj_operator.quota import QuotaLimits, parse_bytes, parse_namespace_quota
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"call agents at the host a pod's {names.ANNOTATION_AGENT_HOST} annotation names instead of its "
         "status.podIP (dev clusters without a pod network only: a workload could point it anywhere)",
     )
+    liveview.add_arguments(p)
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument(
         "--metrics-port",
@@ -298,6 +300,8 @@ async def run(args: argparse.Namespace) -> int:
         renew=client_cert.maybe_renew if client_cert else None,
     )
     events = EventRecorder(kube, "gpuobj-operator", args.identity)
+    leading = lambda: reconciler_box[-1].ledger if reconciler_box and health.state == "leading" else None  # noqa: E731
+    live_view = await liveview.serve(args, kube, agents, leading)
     events.start()
     rc = 0
     stuck = False
@@ -348,6 +352,8 @@ async def run(args: argparse.Namespace) -> int:
         await events.stop()
         if signer is not None:
             await signer.stop()
+        if live_view is not None:
+            await live_view.stop()
         await agents.close()
         await kube.close()
         await health.stop()
