@@ -32,6 +32,7 @@ from gpuobj_dev.pki import DevPKI
 DEFAULT_STATE_DIR = toolchain.CACHE_ROOT / "dev-cluster"
 SERVICE_CIDR = "10.96.0.0/24"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
+FRONT_PROXY_CN = "front-proxy-client"  # the only client the requestheader CA vouches for as a proxy
 CONTROLLERS = "garbagecollector,namespace,serviceaccount,serviceaccount-token"
 # With a node: Deployments become pods, pods get their namespace's kube-root-ca.crt ConfigMap, and the
 # node lifecycle controller lifts the not-ready taint the kubelet registers with.
@@ -317,9 +318,27 @@ class DevCluster:
                 "--profiling=false",
                 "--event-ttl=1h",
                 *self._kubelet_client_flags(state),
+                *self._aggregator_flags(),
                 "--v=1",
             ],
         )
+
+    def _aggregator_flags(self) -> list[str]:
+        """Aggregated APIs (the live view, docs/live-view.md): the API server proxies to them as
+        front-proxy-client, naming the user in X-Remote-* headers the extension server trusts through the
+        requestheader CA it reads from kube-system/extension-apiserver-authentication. Routing goes to the
+        Service's endpoint IPs: there is no kube-proxy here to make a ClusterIP reachable."""
+        proxy = self.pki.issue("front-proxy-client", FRONT_PROXY_CN)
+        return [
+            f"--requestheader-client-ca-file={self.pki.ca.cert}",
+            f"--requestheader-allowed-names={FRONT_PROXY_CN}",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={proxy.cert}",
+            f"--proxy-client-key-file={proxy.key}",
+            "--enable-aggregator-routing=true",
+        ]
 
     def _kubelet_client_flags(self, state: ClusterState) -> list[str]:
         """With a node: how the API server reaches the kubelet (logs, exec) by its InternalIP, as a CA-signed client."""
