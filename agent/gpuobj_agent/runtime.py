@@ -282,6 +282,10 @@ class AgentRuntime:
         """From the embedding client's write-behind: whether the object's GPUObject is still unrecorded."""
         self.agent.store.set_record_pending(object_id, pending)
 
+    def set_private(self, object_id: str, private: bool) -> None:
+        """From the embedding client's write-behind: the object is private, held and never recorded."""
+        self.agent.store.set_private(object_id, private)
+
     async def afree(self, object_id: str, *, wait_fence: bool = False) -> dict[str, Any]:
         return await self._acall(self.agent.store.free(object_id, wait_fence=wait_fence))
 

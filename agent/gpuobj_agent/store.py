@@ -158,6 +158,7 @@ class ObjectStore:
         # Objects whose GPUObject the embedding client has queued but not recorded yet (its write-behind);
         # set from the client's thread (single set operations: atomic under the GIL).
         self._record_pending: set[str] = set()
+        self._private: set[str] = set()  # the same client's private objects: never to be recorded
         self._freed_grants: OrderedDict[str, frozenset[str]] = OrderedDict()  # object id -> sharedWith, bounded
         self.tickets_changed = asyncio.Condition()
         self.closing = False
@@ -700,6 +701,7 @@ class ObjectStore:
                     self.nixl.gens.get(gid).migrated.discard(obj.object_id)
             self.objects.pop(obj.object_id, None)
             self._record_pending.discard(obj.object_id)
+            self._private.discard(obj.object_id)
             if obj.shared_with:
                 self._freed_grants[obj.object_id] = obj.shared_with
                 if len(self._freed_grants) > FREED_GRANTS_KEPT:
@@ -771,6 +773,15 @@ class ObjectStore:
         else:
             self._record_pending.discard(object_id)
 
+    def set_private(self, object_id: str, private: bool) -> None:
+        """The embedding client says this object is private: its own handle holds it and it will not be
+        recorded unless shared (docs/design.md, "Recording policy"). Only an in-process agent is told, so a
+        standalone agent's unrecorded objects still count as leaked once their client is gone."""
+        if private:
+            self._private.add(object_id)
+        else:
+            self._private.discard(object_id)
+
     def agent_info(self, *, started_wall: float, endpoint: str) -> api.AgentInfo:
         """INFO's answer: whose agent holds this store (pod, namespace, UID, process incarnation) and its
         NIXL agents. One builder for the agent and the scale fleet's stand-in (gpuobj_dev.scale.fleet_agent)."""
@@ -804,6 +815,7 @@ class ObjectStore:
                 inflight_reads=self.tickets.inflight(object_id=obj.object_id),
                 freeing=obj.freeing is not None,
                 record_pending=obj.object_id in self._record_pending,
+                private=obj.object_id in self._private,
                 tensors=tuple(obj.layouts),
                 created_at=iso_time(obj.created_wall),
                 devices=tuple(obj.devices),

@@ -402,6 +402,9 @@ class InventoryItem:
     # Its GPUObject is queued in this process's write-behind and not recorded yet (an API outage, say):
     # referenced by a live handle, so the audit never reclaims it (operator/gpuobj_operator/audit.py).
     record_pending: bool = False
+    # Unnamed, never shared, and not to be recorded (the client's recording policy, docs/design.md): held by
+    # a live handle of the embedding process, whose bytes die with it; the audit neither counts nor reclaims it.
+    private: bool = False
     tensors: tuple[TensorLayout, ...] = ()
     created_at: str = ""  # RFC 3339 with milliseconds: with the id, its place in the pages (inventory_order)
     devices: tuple[str, ...] = ()
@@ -419,6 +422,7 @@ class InventoryItem:
             "key": self.key,
             "freeing": self.freeing,
             "recordPending": self.record_pending,
+            "private": self.private,
         }
 
     @classmethod
@@ -433,6 +437,7 @@ class InventoryItem:
             inflight_reads=int(o.get("inflightReads", 0)),
             freeing=bool(o.get("freeing", False)),
             record_pending=bool(o.get("recordPending", False)),
+            private=bool(o.get("private", False)),
             tensors=tuple(TensorLayout.from_json(t, "tensor") for t in o.get("tensors", [])),
             created_at=str(o.get("createdAt", "")),
             devices=tuple(str(d) for d in o.get("devices") or ()),

@@ -133,7 +133,11 @@ class Client:
                 max_pending_writes = int(_env_float("GPUOBJ_MAX_PENDING_WRITES", DEFAULT_MAX_PENDING))
             if backpressure_timeout is None:
                 backpressure_timeout = _env_float("GPUOBJ_BACKPRESSURE_TIMEOUT", timeout)
+            record = os.environ.get("GPUOBJ_RECORD", "all")
+            if record not in ("all", "shared"):
+                raise ValueError(f"GPUOBJ_RECORD={record!r}: choose 'all' (record every object) or 'shared'")
             wb_options = {
+                "record": record,
                 "window": write_window,
                 "max_pending": int(max_pending_writes),
                 "backpressure_timeout": backpressure_timeout,

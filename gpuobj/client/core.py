@@ -156,8 +156,18 @@ class ClientCore:
         self.wb: WriteBehind | None = None
         if write_behind is not None:
             pending = getattr(agent, "set_record_pending", None)  # our own in-process agent tells the audit
+            options = dict(write_behind)
+            # Recording policy (docs/design.md): "shared" holds private objects' records, only where our own
+            # in-process agent can mark them private for the audit; "all" (the default) records every object.
+            record = options.pop("record", "all")
+            private = getattr(agent, "set_private", None) if record == "shared" else None
             self.wb = WriteBehind(
-                kube, free_local=self.free_local, on_record_pending=pending, pod_uid=self._pod_uid, **write_behind
+                kube,
+                free_local=self.free_local,
+                on_record_pending=pending,
+                pod_uid=self._pod_uid,
+                on_private=private,
+                **options,
             )
 
     @classmethod
@@ -233,6 +243,7 @@ class ClientCore:
             return await self.put_state_dict(tensors, name=name, labels=labels, shared_with=shared_with)
         tensors = tensor_list(tensors, what="put")
         object_id = f"o-{_short_id()}"
+        private = name is None and not shared_with and not labels and not entries  # recording policy
         name = name or f"{self.pod_name}-{object_id[2:12]}"
         layouts = tuple(layout_of(t) for t in tensors)
         stream_kw: dict[str, Any] = {"stream": stream[0], "stream_index": stream[1]} if stream else {}
@@ -247,7 +258,7 @@ class ClientCore:
                 name, object_id, layouts, labels=labels, stream=stream, shared_with=shared_with, entries=entries
             )
             if self.wb is not None and stream is None:  # a stream item is written at once, never queued
-                record = await self.wb.create_object(self.namespace, name, body, object_id)
+                record = await self.wb.create_object(self.namespace, name, body, object_id, private=private)
                 uid = ""  # known once the write-behind's create lands (the record has it)
             else:
                 uid = (await self.kube.create(GPUOBJECTS, body, self.namespace))["metadata"]["uid"]

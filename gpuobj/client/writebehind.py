@@ -27,6 +27,11 @@ writes and return; the queue sends them in the background. What must still hold:
   needs no API read on the caller's path (it succeeds during an outage, like a put). A
   receiver that does not exist fails that claim alone (PodNotFoundError, from `flush`).
 - Every refusal for good is also raised, once, by the next `flush`.
+- Recording policy (`record`, $GPUOBJ_RECORD): with "shared", a *private* object (unnamed, put by this
+  process into its own in-process agent, shared with no one) is never written: its family is held, and
+  its bytes die with the process. Its first claim (a `share`, a `borrow`) makes it shared: the held
+  create is queued first, then the claim, and the family is sent once it has lived past the window.
+  The agent's inventory marks a held object `private`, so the audit neither counts nor reclaims it.
 - Bounded concurrency: at most `concurrency` families are sent at once, fewer while the API server
   throttles (a 429, even one the kube client retried after its Retry-After; a timeout; a 5xx): the
   limit halves, and grows back by one per round of writes that land (congestion.py). A fleet of pods
@@ -125,6 +130,7 @@ class Family:
     writes: deque[Write] = field(default_factory=deque)
     records: dict[str, Record] = field(default_factory=dict)  # by (kind:name)
     started: bool = False  # a write went to the API: elision is no longer possible
+    held: Write | None = None  # a private object's create, queued only once the object is shared
     running: bool = False
     failed: BaseException | None = None
 
@@ -168,14 +174,19 @@ class WriteBehind:
         clock: Callable[[], float] = time.monotonic,
         on_record_pending: Callable[[str, bool], None] | None = None,
         pod_uid: PodUidFn | None = None,
+        on_private: Callable[[str, bool], None] | None = None,
     ) -> None:
         """``on_record_pending(object_id, pending)``: told when an object's create is queued (True) and
         when it landed, was taken back or failed (False): the local agent's inventory says so.
-        ``pod_uid``: reads a receiver pod's uid for a claim queued without one (`create_claim(owner_pod=)`)."""
+        ``pod_uid``: reads a receiver pod's uid for a claim queued without one (`create_claim(owner_pod=)`).
+        ``on_private(object_id, private)``: told when a private object's create is held (True) and when it
+        is queued, taken back or freed (False); without it no object is private (a standalone agent's
+        inventory cannot say so, and there an unrecorded object must count as leaked)."""
         self.kube = kube
         self.pod_uid = pod_uid
         self.free_local = free_local
         self.on_record_pending = on_record_pending or (lambda object_id, pending: None)
+        self.on_private = on_private
         self.window = window
         self.max_pending = max_pending
         self.backpressure_timeout = backpressure_timeout
@@ -186,7 +197,7 @@ class WriteBehind:
         self.pending_writes = 0
         self.last_error: str | None = None
         self.failing_since: float | None = None
-        self.counts = {"sent": 0, "elided_families": 0, "retries": 0, "failed": 0}
+        self.counts = {"sent": 0, "elided_families": 0, "retries": 0, "failed": 0, "private": 0}
         self.unreported: list[BaseException] = []  # refusals for good that no flush has raised yet
         self.in_flight = InFlightLimit(concurrency)
         self._changed = asyncio.Event()
@@ -227,9 +238,16 @@ class WriteBehind:
         if fam.started:
             self._kick(fam)
 
-    async def create_object(self, namespace: str, name: str, body: dict, object_id: str) -> Record:
-        """Queue a GPUObject create; returns its record at once (after backpressure, if full)."""
-        await self._wait_room()
+    async def create_object(
+        self, namespace: str, name: str, body: dict, object_id: str, *, private: bool = False
+    ) -> Record:
+        """Queue a GPUObject create; returns its record at once (after backpressure, if full).
+
+        ``private``: the object is unnamed and shared with no one; with a private-capable agent its create
+        is held (no write, no room taken) until a claim makes it shared."""
+        private = private and self.on_private is not None
+        if not private:
+            await self._wait_room()
         if (namespace, name) in self.families:
             raise NameTakenError(
                 f"GPUObject {namespace}/{name}: this process already holds an object of that name; "
@@ -239,9 +257,28 @@ class WriteBehind:
         fam.object_id = object_id
         rec = Record("object", namespace, name)
         self._add(fam, rec)
+        if private:
+            assert self.on_private is not None
+            fam.held = Write("create", rec, body)
+            self.counts["private"] += 1
+            self.on_private(object_id, True)
+            return rec
         self._queue(fam, Write("create", rec, body))
         self.on_record_pending(object_id, True)
         return rec
+
+    def _unhold(self, fam: Family) -> None:
+        """A private object's first claim: its create goes first, and the family is sent once it has
+        lived past the window (at once if it already has)."""
+        held, fam.held = fam.held, None
+        if held is None:
+            return
+        self._queue(fam, held)
+        if fam.object_id is not None:
+            self.on_record_pending(fam.object_id, True)
+            if self.on_private is not None:
+                self.on_private(fam.object_id, False)
+        self._schedule(fam, max(0.0, fam.born + self.window - self.clock()))
 
     async def create_claim(
         self, namespace: str, object_name: str, claim_name: str, body: dict, *, owner_pod: str | None = None
@@ -255,6 +292,7 @@ class WriteBehind:
         fam = self._family(namespace, object_name)
         if fam.failed is not None:
             raise WriteFailedError(f"GPUObject {namespace}/{object_name} could not be recorded: {fam.failed}")
+        self._unhold(fam)
         rec = Record("claim", namespace, claim_name)
         self._add(fam, rec)
         self._queue(fam, Write("create", rec, body, (namespace, owner_pod) if owner_pod is not None else None))
@@ -279,6 +317,8 @@ class WriteBehind:
     def _forget(self, fam: Family) -> None:
         if fam.object_id is not None:
             self.on_record_pending(fam.object_id, False)  # landed, taken back or failed: nothing waits
+            if fam.held is not None and self.on_private is not None:
+                self.on_private(fam.object_id, False)
         if self.families.get((fam.namespace, fam.object_name)) is fam:
             del self.families[(fam.namespace, fam.object_name)]
         for rec in fam.records.values():
@@ -344,8 +384,8 @@ class WriteBehind:
         self._timers.add(handle)
 
     def _start(self, fam: Family) -> None:
-        if self.families.get((fam.namespace, fam.object_name)) is not fam:
-            return  # elided or done
+        if self.families.get((fam.namespace, fam.object_name)) is not fam or fam.held is not None:
+            return  # elided or done, or private: held until a claim makes it shared
         fam.started = True
         self._kick(fam)
 

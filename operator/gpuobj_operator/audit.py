@@ -57,6 +57,10 @@ def evaluate(
     for item in items:
         obj = described.get(item.id)
         if obj is None:
+            if item.private:
+                # Held by a live handle of the process that embeds this agent and never recorded by policy
+                # (docs/design.md, "Recording policy"): its bytes die with that process, and the agent too.
+                continue
             if item.record_pending:
                 # Its process still holds it and is recording it (an API outage outlasted the grace):
                 # never reclaimed; counted as leaked only once the grace has passed, so a record that

@@ -188,3 +188,43 @@ def test_an_outage_longer_than_the_leak_grace_never_lets_the_audit_free_a_live_o
         assert_api_empty(gpuobj_cluster, namespace)
     finally:
         proxy.close()
+
+
+def test_a_private_object_makes_no_api_write_and_the_audit_leaves_it_until_it_is_shared(
+    gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
+) -> None:
+    """GPUOBJ_RECORD=shared: an unnamed object its own process holds lives past the window and the leak
+    grace (2 s here) with no API write; the inventory marks it private, so the audit neither counts nor
+    reclaims it. A share records it, before the claim, and its releases free it as for any object."""
+    src = pods.workload("src", {"GPUOBJ_RECORD": "shared", "GPUOBJ_WRITE_WINDOW": "0"})
+    reader = pods.workload("reader")
+    wait_until(
+        lambda: not gpuobj_cluster.terminating_namespaces(), "earlier test namespaces to go", timeout=120, interval=0.2
+    )
+    before = request_counts(gpuobj_cluster, {"gpuobjects", "gpuobjectclaims"})
+    src.run(f"ref = client.put([{ARANGE.format(n=1024)}]); client.flush()")
+
+    def inventory() -> list[dict]:
+        return agent_http.inventory(pods.endpoint("src"), token_file)["objects"]
+
+    assert [o["private"] for o in inventory()] == [True]
+    audited = operator.metric("gpuobj_audit_runs_total", {"result": "ok"})
+    wait_until(lambda: all(o["ageSeconds"] > 3 for o in inventory()), "the object to outlive the grace", 30)
+    wait_until(lambda: operator.metric("gpuobj_audit_runs_total", {"result": "ok"}) >= audited + 8, "audits", 30)
+    assert operator.metric("gpuobj_reclaimed_bytes_total") == 0
+    assert operator.metric("gpuobj_leaked_bytes") == 0
+    sent = delta(request_counts(gpuobj_cluster, {"gpuobjects", "gpuobjectclaims"}), before)
+    assert writes(sent) == 0, sent
+    assert src.eval("client.write_stats()['private']") == 1
+    # Shared: recorded (the GPUObject, then the reader's claim), read, released, freed.
+    shared = src.eval_pickle("client.share(ref, 'reader')")
+    src.run("client.flush()")
+    assert [o["private"] for o in inventory()] == [False]
+    wait_object(gpuobj_cluster, namespace, src.eval("ref.address.name"), lambda o: o is not None)
+    reader.run(f"h = client.adopt(load_pickle({shared!r})); got = client.fetch(h)[0]")
+    assert reader.eval(f"bool(torch.equal(got, {ARANGE.format(n=1024)}))")
+    src.run("ref.release(); client.flush()")
+    reader.run("h.release(); client.flush()")
+    wait_until(lambda: not inventory(), "the shared object to be freed", 60)
+    assert_api_empty(gpuobj_cluster, namespace)
+    assert operator.metric("gpuobj_reclaimed_bytes_total") == 0

@@ -509,3 +509,69 @@ def test_the_in_flight_limit_cuts_once_per_calm_period_and_never_below_its_floor
     assert limit.limit == 3
     with pytest.raises(ValueError, match="floor"):
         InFlightLimit(4, floor=5)
+
+
+def test_a_private_object_is_never_written_however_long_it_lives_and_its_release_frees_it() -> None:
+    """Recording policy "shared": an unnamed object no one else references makes no API write, even
+    flushed and past the window; the agent hears it is private (for the audit), then that it is gone."""
+
+    async def go():
+        api, private = ScriptedApi(), {}
+        wb = WriteBehind(
+            api, free_local=lambda _: None, window=0.0, on_private=lambda oid, p: private.__setitem__(oid, p)
+        )
+        rec = await wb.create_object("ns", "o", body("o"), "oid", private=True)
+        await asyncio.sleep(0.05)  # well past the window
+        await wb.flush(5)
+        assert api.calls == [] and wb.pending_writes == 0 and not rec.pending
+        assert private == {"oid": True}
+        out = wb.release("object", "ns", "o")
+        assert out.elided and out.free_object_id == "oid"  # the caller frees the bytes at once
+        assert private == {"oid": False} and wb.families == {}
+        await wb.close()
+
+    run(go())
+
+
+def test_a_private_objects_first_claim_records_it_before_the_claim_and_its_release_deletes_it() -> None:
+    """A share (or borrow) makes it shared: the held create goes first, in order, as for any object."""
+
+    async def go():
+        api, private, pending = ScriptedApi(), {}, {}
+        wb = WriteBehind(
+            api,
+            free_local=lambda _: None,
+            window=0.0,
+            on_private=lambda oid, p: private.__setitem__(oid, p),
+            on_record_pending=lambda oid, p: pending.__setitem__(oid, p),
+        )
+        obj = await wb.create_object("ns", "o", body("o"), "oid", private=True)
+        await asyncio.sleep(0.02)
+        claim_spec = claim_body("c", "o")
+        await wb.create_claim("ns", "o", "c", claim_spec)
+        assert private == {"oid": False} and pending == {"oid": True}
+        wb.release("object", "ns", "o")
+        await wb.flush(5)
+        assert api.calls == [
+            ("create", "gpuobjects", "o"),
+            ("create", "gpuobjectclaims", "c"),
+            ("delete", "gpuobjects", "o"),
+        ]
+        assert claim_spec["spec"]["objectUID"] == obj.uid and pending == {"oid": False}
+        await wb.close()
+
+    run(go())
+
+
+def test_without_a_private_capable_agent_every_object_is_recorded() -> None:
+    """A standalone agent cannot mark an object private: its client records it (the audit must see it)."""
+
+    async def go():
+        api = ScriptedApi()
+        wb = WriteBehind(api, free_local=lambda _: None, window=0.0)
+        await wb.create_object("ns", "o", body("o"), "oid", private=True)
+        await wb.flush(5)
+        assert api.calls == [("create", "gpuobjects", "o")]
+        await wb.close()
+
+    run(go())

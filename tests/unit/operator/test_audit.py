@@ -57,6 +57,24 @@ def test_an_object_whose_record_is_still_queued_is_never_reclaimed_and_counts_on
     assert findings.leaked_bytes == 20 + 40  # the young queued one may yet land: not counted
 
 
+def test_a_live_private_object_is_neither_counted_as_leaked_nor_reclaimed_past_the_grace() -> None:
+    """Recording policy "shared": its process holds it and never records it; its bytes die with that process."""
+    p = pod()
+    ledger = synced_ledger(p)
+    answer = {
+        "podUID": p.uid,
+        "incarnation": "i-1",
+        "objects": [
+            {"id": "private-old", "bytes": 10, "ageSeconds": 400.0, "private": True},
+            {"id": "orphan-old", "bytes": 40, "ageSeconds": 40.0},
+        ],
+    }
+    items = Inventory.from_json(answer).objects
+    findings = evaluate(ledger, p, items, {}, settle_seconds=1, grace_seconds=30, pending_free_age={})
+    assert [i.id for i in findings.reclaim] == ["orphan-old"]
+    assert findings.leaked_bytes == 40
+
+
 def test_objects_the_agent_no_longer_holds_are_missing_but_only_those_expected_before_asking() -> None:
     p = pod()
     ledger = synced_ledger(p, obj("a", uid="ua"), obj("b", uid="ub"))
