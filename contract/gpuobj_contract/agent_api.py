@@ -402,12 +402,12 @@ class InventoryItem:
     # Its GPUObject is queued in this process's write-behind and not recorded yet (an API outage, say):
     # referenced by a live handle, so the audit never reclaims it (operator/gpuobj_operator/audit.py).
     record_pending: bool = False
-    # Unnamed, never shared, and not to be recorded (the client's recording policy, docs/design.md): held by
-    # a live handle of the embedding process, whose bytes die with it; the audit neither counts nor reclaims it.
-    private: bool = False
     tensors: tuple[TensorLayout, ...] = ()
     created_at: str = ""  # RFC 3339 with milliseconds: with the id, its place in the pages (inventory_order)
     devices: tuple[str, ...] = ()
+    # Unnamed, never shared, and not to be recorded (the client's recording policy, docs/design.md): held by
+    # a live handle of the embedding process, whose bytes die with it; the audit neither counts nor reclaims it.
+    private: bool = False
 
     def description(self) -> ObjectDescription:
         """The object as GET_OBJECT describes it: an inventory item is that and the agent's bookkeeping."""
