@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from gpuobj_contract.layouts import DTYPE_BYTES, LayoutError, TensorLayout, parse_layouts, tensor_bytes
+import pytest
+import yaml
+
+from gpuobj_contract.layouts import DTYPE_BYTES, MAX_TENSORS, LayoutError, TensorLayout, parse_layouts, tensor_bytes
 
 
 def test_bytes_come_from_the_contract_dtype_sizes() -> None:
@@ -30,3 +33,14 @@ def test_devices_are_matched_in_full(device: str) -> None:
 def test_layout_errors_are_value_errors_naming_the_field() -> None:
     with pytest.raises(ValueError, match=r"x\.dtype"):
         TensorLayout.from_json({"shape": [1], "dtype": "float33"}, "x")
+
+
+def test_the_tensor_count_limit_is_the_crds() -> None:
+    """The contract refuses what the API server would refuse, before a client copies anything."""
+    crd = yaml.safe_load((Path(__file__).resolve().parents[3] / "crds" / "gpuobj.io_gpuobjects.yaml").read_text())
+    tensors = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["tensors"]
+    assert tensors["maxItems"] == MAX_TENSORS
+    one = {"shape": [1], "dtype": "int8"}
+    assert len(parse_layouts([one] * MAX_TENSORS)) == MAX_TENSORS
+    with pytest.raises(LayoutError, match=f"at most {MAX_TENSORS} tensors"):
+        parse_layouts([one] * (MAX_TENSORS + 1))
