@@ -129,6 +129,7 @@ class Ledger:
         del self.objects[obj.key]
         self.learned_at.pop(obj.uid, None)
         self.ref_gone_at.pop(obj.key, None)
+        self._drop_tombstone((current.namespace, current.source_pod))
         dirty = {("claim", c) for c in self._claims_by_object.get(obj.key, ())}
         if obj.stream:
             dirty.add(("stream", (obj.namespace, obj.stream[0])))
@@ -185,6 +186,8 @@ class Ledger:
         self._unindex_claim(current)
         del self.claims[claim.key]
         self.learned_at.pop(claim.uid, None)
+        for pod in self._claim_pods(current):
+            self._drop_tombstone((current.namespace, pod))
         self._touch_refs(current.object_key, now)
         return {("object", current.object_key)}
 
@@ -217,6 +220,7 @@ class Ledger:
         _discard(self._streams_by_producer, (current.namespace, current.producer_pod), current.key)
         if stream.key not in self._items_by_stream:
             self.stream_tallies.pop(stream.key, None)
+        self._drop_tombstone((current.namespace, current.producer_pod))
         return {("object", k) for k in self._items_by_stream.get(stream.key, ())}
 
     def upsert_pod(self, pod: PodInfo) -> set[tuple[str, Key]]:
@@ -230,7 +234,17 @@ class Ledger:
         if current is not None and current.uid != pod.uid and not current.deleted:
             return set()  # a newer pod of the same name already replaced it
         self.pods[pod.key] = PodInfo(pod.namespace, pod.name, pod.uid, phase=pod.phase, deleted=True)
-        return self._pod_dependents(pod.key)
+        dirty = self._pod_dependents(pod.key)
+        self._drop_tombstone(pod.key)
+        return dirty
+
+    def _drop_tombstone(self, pod_key: Key) -> None:
+        """Forget a deleted pod once no object, claim or stream indexes it: at 100,000 objects the probe
+        rounds and audits scan `pods`, and a record that names the pod later gets a LookupPod (404: a new
+        tombstone), so dropping it costs one GET at most and never a wrong verdict."""
+        pod = self.pods.get(pod_key)
+        if pod is not None and pod.deleted and not self._pod_dependents(pod_key):
+            del self.pods[pod_key]
 
     def _pod_dependents(self, pod_key: Key) -> set[tuple[str, Key]]:
         dirty = {("object", k) for k in self._objects_by_pod.get(pod_key, ())}

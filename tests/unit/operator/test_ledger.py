@@ -297,3 +297,20 @@ def test_states_are_counted_for_the_gauges() -> None:
 )
 def test_tensor_bytes_cover_0d_empty_and_multi_tensor_objects(tensors, expected) -> None:
     assert tensor_bytes(tensors) == expected
+
+
+def test_a_pod_tombstone_goes_once_nothing_indexes_the_pod() -> None:
+    """Issue 30: a deleted pod no record names is forgotten (probe rounds and audits scan `pods`)."""
+    ledger = Ledger(synced=True)
+    idle = pod("idle", uid="idle-uid")
+    ledger.upsert_pod(idle)
+    ledger.remove_pod(idle)
+    assert (NS, "idle") not in ledger.pods
+    src = pod()
+    ledger.upsert_pod(src)
+    o = obj()
+    ledger.upsert_object(o, 0.0)
+    ledger.remove_pod(src)
+    assert ledger.pods[(NS, "src")].deleted  # its object still needs the verdict
+    ledger.remove_object(o)
+    assert (NS, "src") not in ledger.pods
