@@ -36,6 +36,7 @@ from gpuobj_agent.layouts import layout_of
 from gpuobj_contract import agent_api as api
 from gpuobj_contract import agent_tls, names
 from gpuobj_contract import resources as crd
+from gpuobj_contract.layouts import MAX_TENSORS
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, Conflict, KubeClient, NotFound
 from gpuobj_kube.config import KubeConfig
 
@@ -93,6 +94,10 @@ def tensor_list(tensors: Any, *, what: str) -> list:
     items = list(tensors) if isinstance(tensors, list | tuple) else [tensors]
     if not items:
         raise errors.InvalidTensorError(f"{what}: no tensors given (pass a tensor or a non-empty list of tensors)")
+    if len(items) > MAX_TENSORS:
+        raise errors.InvalidTensorError(
+            f"{what}: {len(items)} tensors given; an object holds at most {MAX_TENSORS} (spec.tensors' limit)"
+        )
     for i, t in enumerate(items):
         if not isinstance(t, torch.Tensor):
             raise errors.InvalidTensorError(

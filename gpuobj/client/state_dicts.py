@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuobj.client.errors import InvalidTensorError
+from gpuobj_contract.layouts import MAX_TENSORS
 
 # (name, index of the stored tensor): several names may share one index (tied weights).
 Entries = tuple[tuple[str, int], ...]
@@ -113,6 +114,11 @@ def plan(state_dict: Mapping[Any, Any]) -> PackPlan:
         raise InvalidTensorError(
             f"put: the state dict's tensors are on {sorted(devices)}; one object lives on one device: "
             "move them to one device first, or put one state dict per device"
+        )
+    if len(distinct) > MAX_TENSORS:
+        raise InvalidTensorError(
+            f"put: the state dict holds {len(distinct)} distinct tensors; an object holds at most {MAX_TENSORS} "
+            "(spec.tensors' limit): put it as several state dicts"
         )
     # Largest element size first: every offset is then a multiple of its tensor's element size, and
     # the spans touch, so the agent sees one region.
