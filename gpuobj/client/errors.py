@@ -9,6 +9,7 @@ tensor, PermissionError, TimeoutError, ConnectionError), the error is also one o
 from __future__ import annotations
 
 import asyncio
+import re
 
 import aiohttp
 
@@ -82,6 +83,14 @@ class ConfigurationError(GpuObjError):
     """The client cannot start: missing environment, unreadable kubeconfig or credentials."""
 
 
+# A 403 for the cluster-scoped resources the agent needs (its certificate, token revocation), with the
+# ServiceAccount the API server names.
+_CLUSTER_SCOPE_REFUSAL = re.compile(
+    r'User "system:serviceaccount:(?P<namespace>[^:"]+):(?P<name>[^"]+)" cannot \w+ resource'
+    r' "(?:certificatesigningrequests|tokenreviews)"'
+)
+
+
 def translate(exc: BaseException, *, what: str) -> BaseException:
     """The GpuObjError for an exception from a layer underneath (`what`: the operation, for the message).
 
@@ -99,6 +108,14 @@ def translate(exc: BaseException, *, what: str) -> BaseException:
     if isinstance(exc, Invalid):
         return InvalidRequestError(f"{what}: the API server refused it: {exc.message}")
     if isinstance(exc, ApiError) and exc.status in (401, 403):
+        cluster_scope = _CLUSTER_SCOPE_REFUSAL.search(exc.message)
+        if cluster_scope is not None:  # a RoleBinding cannot grant these: name the binding a new user misses
+            account = f"{cluster_scope['namespace']}/{cluster_scope['name']}"
+            return PermissionDeniedError(
+                f"{what}: the API server refused this pod's identity ({exc.status} {exc.reason}: {exc.message});"
+                f" add a ClusterRoleBinding to gpuobj-workload-token-reviewer for ServiceAccount {account}"
+                " (charts/gpuobj workloads.bindings, or deploy/operator/rbac-workload.yaml)"
+            )
         return PermissionDeniedError(
             f"{what}: the API server refused this pod's identity ({exc.status} {exc.reason}: {exc.message}); "
             "bind the pod's ServiceAccount to the gpuobj workload Role (charts/gpuobj, deploy/)"

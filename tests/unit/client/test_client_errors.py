@@ -47,6 +47,18 @@ def test_permission_denied_says_which_role_to_bind() -> None:
     assert "workload Role" in str(got)
 
 
+def test_cluster_scope_refusal_names_the_missing_token_reviewer_binding() -> None:
+    """The agent's certificate (and token revocation) need a ClusterRoleBinding the namespace's RoleBinding
+    cannot give: the error names it and the ServiceAccount to bind (issue 32, a new user's first connect)."""
+    message = (
+        'certificatesigningrequests.certificates.k8s.io is forbidden: User "system:serviceaccount:team-a:trainer"'
+        ' cannot create resource "certificatesigningrequests" in API group "certificates.k8s.io" at the cluster scope'
+    )
+    got = errors.translate(ApiError(403, "Forbidden", message), what="connect")
+    assert isinstance(got, errors.PermissionDeniedError)
+    assert "ClusterRoleBinding to gpuobj-workload-token-reviewer for ServiceAccount team-a/trainer" in str(got)
+
+
 def test_non_errors_pass_through_unchanged() -> None:
     cancel = asyncio.CancelledError()
     assert errors.translate(cancel, what="x") is cancel
