@@ -51,9 +51,15 @@ class WorkQueue(Generic[T]):
         self._tokens.put_nowait(None)
 
     def add_after(self, item: T, delay: float) -> None:
-        if self._closed or item in self._timers:
+        """Add ``item`` after ``delay``; one already waiting keeps the sooner time (client-go's ``insert``)."""
+        if self._closed:
             return
         loop = asyncio.get_running_loop()
+        waiting = self._timers.get(item)
+        if waiting is not None:
+            if waiting.when() <= loop.time() + delay:
+                return  # the earlier timer stands: a later one must not delay a retry
+            waiting.cancel()
 
         def fire() -> None:
             self._timers.pop(item, None)

@@ -36,3 +36,20 @@ def test_an_urgent_add_while_processing_comes_back_urgent() -> None:
         return [await q.get(), await q.get()]
 
     assert asyncio.run(go()) == ["busy", "other"]
+
+
+def test_a_second_add_after_keeps_the_sooner_time() -> None:
+    """client-go's delaying queue keeps the earlier ready time: a retry must not wait behind a TTL requeue."""
+
+    async def go() -> tuple:
+        q: WorkQueue = WorkQueue()
+        q.add_after(("claim", "c"), 3600.0)  # a TTL requeue, far away
+        q.add_after(("claim", "c"), 0.01)  # a conflict retry: sooner, so it wins
+        q.add_after(("claim", "c"), 7200.0)  # later again: ignored
+        item = await asyncio.wait_for(q.get(), timeout=10)
+        q.done(item)
+        pending = len(q._timers)
+        q.close()
+        return item, pending
+
+    assert asyncio.run(go()) == (("claim", "c"), 0)
