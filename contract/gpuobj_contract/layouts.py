@@ -42,7 +42,7 @@ def tensor_bytes(tensors: list[dict[str, Any]]) -> int:
 
 
 MAX_NDIM = 32
-MAX_TENSORS = 1024  # spec.tensors' maxItems in crds/gpuobj.io_gpuobjects.yaml, which a unit test keeps equal
+MAX_TENSORS = 2048  # spec.tensors' maxItems in crds/gpuobj.io_gpuobjects.yaml, which a unit test keeps equal
 DEVICES_PATTERN = patterns.DEVICE.regex  # spec.tensors[].device
 
 
