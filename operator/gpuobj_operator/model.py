@@ -40,7 +40,7 @@ class AgentContainer:
     last: ContainerRun | None = None  # lastState.terminated
 
 
-@dataclass
+@dataclass(slots=True)
 class PodInfo:
     namespace: str
     name: str
@@ -59,7 +59,7 @@ class PodInfo:
         return self.deleted or self.phase in ("Succeeded", "Failed")
 
 
-@dataclass
+@dataclass(slots=True)
 class ObjectInfo:
     namespace: str
     name: str
@@ -124,7 +124,7 @@ class ObjectInfo:
         return None
 
 
-@dataclass
+@dataclass(slots=True)
 class ClaimInfo:
     namespace: str
     name: str
@@ -150,7 +150,7 @@ class ClaimInfo:
         return (self.namespace, self.object_name)
 
 
-@dataclass
+@dataclass(slots=True)
 class StreamInfo:
     namespace: str
     name: str
