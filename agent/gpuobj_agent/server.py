@@ -27,7 +27,7 @@ from gpuobj_agent.layouts import TensorLayout
 from gpuobj_agent.metrics import AgentMetrics
 from gpuobj_agent.store import check_id, check_stream
 from gpuobj_contract import agent_api as api
-from gpuobj_contract import agent_tls, names
+from gpuobj_contract import agent_tls, names, patterns
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +333,7 @@ class Routes:
         """A receiver drops a claim the source made for it (client write-behind): the source's
         queue cancels the claim if it was never recorded, or deletes it in order. 404: this
         process does not know the claim (restarted, or no client here); delete it in the API."""
-        claim = check_id(request.match_info["claim"], "claim name")
+        claim = check_claim_name(request.match_info["claim"])
         caller: Caller = request[CALLER]
         if caller.namespace != self.agent.config.namespace:
             # A hand-off is a claim in the source's namespace, made for a pod there.
@@ -350,6 +350,14 @@ class Routes:
         stream = check_stream(request.match_info["stream"])
         await _body(request, frozenset({"reason"}))
         return web.json_response(await self.store.free_stream(stream))
+
+
+def check_claim_name(claim: object) -> str:
+    """A hand-off claim's name, checked as the object name the client builds (not as an object id: a
+    refused name sent the receiver to its fallback delete, which could race the source's queued create)."""
+    if not patterns.CLAIM_NAME.matches(claim):
+        raise BadRequest(f"claim name {claim!r} is not valid: a Kubernetes object name (DNS-1123 subdomain)")
+    return str(claim)
 
 
 def build_app(agent: Served, extra: Callable[[web.Application], None] | None = None) -> web.Application:

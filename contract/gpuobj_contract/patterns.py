@@ -43,6 +43,9 @@ OBJECT_NAME = TextPattern(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", 253)
 NAMESPACE = TextPattern(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", 63)
 # The agent-side id of an object (spec.objectId); also read ids and claim names on the agent's routes.
 OBJECT_ID = TextPattern(r"^[A-Za-z0-9._-]{1,128}$", 128)
+# A hand-off claim's name on the agent's release route: the GPUObjectClaim's object name, which the client
+# builds from the object's and the holder pod's names (up to 248 characters, more than an OBJECT_ID).
+CLAIM_NAME = OBJECT_NAME
 # A stream's name is its GPUObjectStream's object name (spec.stream.name of its items).
 STREAM_NAME = OBJECT_NAME
 # An agent process's incarnation (spec.source.incarnation, spec.holder.incarnation).
