@@ -137,3 +137,24 @@ def test_a_version_nobody_read_is_reused_with_no_registration_and_a_read_one_is_
     assert pub.pool.stats()["busyBytes"] == 0
     assert_only_pool_parked(src.stats(), 0)
     settle(dst.stats)
+
+
+def test_a_state_dict_at_the_tensor_limit_round_trips_in_one_region(make_runtime):
+    """A model with as many parameters as an object may hold (2,048: more than a 405B Llama-style model's
+    1,137) is one region and one read; every tensor comes back with its name and bytes."""
+    from gpuobj_contract.layouts import MAX_TENSORS
+
+    src, dst = make_runtime("src"), make_runtime("dst")
+    pub = Publisher(src)
+    gen = torch.Generator().manual_seed(7)
+    sd = {f"model.layers.{i // 8}.p{i % 8}": torch.randn(3 + i % 5, generator=gen) for i in range(MAX_TENSORS)}
+    before = registrations(src)
+    pub.publish("big", sd)
+    assert registrations(src) == before + 1
+    got = unpack(pub.entries["big"], dst.fetch(src.endpoint, "big", token=TOKEN))
+    assert list(got) == list(sd) and len(got) == MAX_TENSORS
+    assert all(torch.equal(got[name], t) for name, t in sd.items())
+    del got
+    gc.collect()
+    assert src.free("big")["freed"]
+    settle(dst.stats)
