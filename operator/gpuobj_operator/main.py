@@ -194,6 +194,9 @@ class HealthServer:
         self.metrics = metrics
         self.host, self.port = host, port
         self.state = "starting"
+        # Parts that run beside the term (the CSR signer): each says why it failed, or None; any failure fails
+        # /healthz, naming it, so the kubelet restarts the replica rather than it running without that part.
+        self.checks: list[Callable[[], str | None]] = []
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> int:
@@ -212,6 +215,9 @@ class HealthServer:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _health(self, _: web.Request) -> web.Response:
+        failures = [why for check in self.checks if (why := check()) is not None]
+        if failures:
+            return web.json_response({"status": "failing", "state": self.state, "failures": failures}, status=500)
         return web.json_response({"status": "ok", "state": self.state})
 
     async def _ready(self, _: web.Request) -> web.Response:
@@ -290,6 +296,7 @@ async def run(args: argparse.Namespace) -> int:
     )
     if signer is not None:
         signer.start()  # every replica signs (an answer is one write; a lost race is a 409)
+        health.checks.append(signer.failure)
     client_cert = None
     if ca is not None and args.agent_tls == "on":  # mTLS: agents bind our token to this certificate
         token = (await asyncio.to_thread(Path(args.token_file).read_text)).strip() if args.token_file else ""

@@ -157,8 +157,23 @@ class Signer:
         self._queued: set[str] = set()
         self._informer = Informer(kube, CSRS, self._on_csr)
         self._worker: asyncio.Task[None] | None = None
+        self._retries: dict[str, int] = {}  # a CSR whose answer failed: failures in a row, for its backoff
+        self._timers: dict[str, asyncio.TimerHandle] = {}
         self.issued = 0
         self.denied = 0
+
+    def failure(self) -> str | None:
+        """Why this replica has no working signer, or None: /healthz fails on it so the kubelet restarts us.
+
+        The watch gives up after its retry budget (InformerFailed); a 403 (a missing RBAC rule) will not heal
+        by retrying, so it counts at once. Without this the replica ran signerless while /healthz said ok."""
+        for task in (self._informer.task, self._worker):
+            if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
+                return f"CSR signer stopped: {task.exception()}"
+        last = self._informer.last_error
+        if isinstance(last, ApiError) and last.status == 403:
+            return f"CSR signer cannot watch certificatesigningrequests: {last}"
+        return None
 
     def _on_csr(self, kind: str | None, csr: dict[str, Any]) -> None:
         name = csr["metadata"]["name"]
@@ -174,6 +189,9 @@ class Signer:
         self._worker = asyncio.create_task(self._work(), name="gpuobj-signer")
 
     async def stop(self) -> None:
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
         await self._informer.stop()
         if self._worker is not None:
             self._worker.cancel()
@@ -188,8 +206,26 @@ class Signer:
                 await self.answer(name)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # one CSR's failure never stops the signer; the next event retries it
-                log.exception("CSR %s: could not answer it", name)
+            except Exception:  # one CSR's failure never stops the signer: it is tried again, with backoff
+                log.exception("CSR %s: could not answer it; retrying", name)
+                self._retry(name)
+            else:
+                self._retries.pop(name, None)
+
+    def _retry(self, name: str) -> None:
+        """Requeue a CSR whose answer failed, after a doubling delay (no new event may come to bring it back)."""
+        n = self._retries.get(name, 0)
+        self._retries[name] = n + 1
+        if name in self._timers:
+            return
+
+        def again() -> None:
+            self._timers.pop(name, None)
+            if name not in self._queued:
+                self._queued.add(name)
+                self._queue.put_nowait(name)
+
+        self._timers[name] = asyncio.get_running_loop().call_later(min(0.2 * 2.0**n, 30.0), again)
 
     async def answer(self, name: str) -> Decision | None:
         """Decide on one CSR (read fresh) and write the answer; None when there is nothing to do."""

@@ -183,3 +183,78 @@ def test_a_shards_signer_answers_only_its_shards_namespaces() -> None:
     assert queued[0] == sorted(f"csr-{ns}" for ns in spaces if shard_of(ns, 2) == 0)
     assert queued[1] == sorted(f"csr-{ns}" for ns in spaces if shard_of(ns, 2) == 1)
     assert queued[0] and queued[1]
+
+
+async def _until(check, seconds: float = 10.0) -> None:
+    """Wait for ``check()`` to hold, up to a deadline (a fake client has no event to wait on)."""
+    import asyncio
+
+    async def poll() -> None:
+        while not check():  # noqa: ASYNC110 - a fake client has no event to wait on; bounded by wait_for
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(poll(), seconds)
+
+
+def test_a_signer_that_cannot_watch_fails_healthz_naming_itself() -> None:
+    """A 403 on the CSR watch (a missing RBAC rule) must not leave the replica signerless with /healthz ok."""
+    import asyncio
+
+    import aiohttp
+
+    from gpuobj_kube.client import ApiError
+    from gpuobj_operator.main import HealthServer
+    from gpuobj_operator.metrics import OperatorMetrics
+    from gpuobj_operator.signer import Signer
+
+    class Forbidden:
+        async def list(self, *_a: object, **_k: object) -> dict:
+            raise ApiError(403, "Forbidden", 'cannot list resource "certificatesigningrequests"')
+
+    async def go() -> tuple[int, dict]:
+        signer = Signer(Forbidden(), CertificateAuthority.generate())  # type: ignore[arg-type]
+        health = HealthServer(OperatorMetrics(lambda: None), "127.0.0.1", 0)  # type: ignore[arg-type,return-value]
+        health.checks.append(signer.failure)
+        port = await health.start()
+        signer.start()
+        try:
+            await _until(lambda: signer.failure() is not None)
+            async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/healthz") as res:
+                return res.status, await res.json()
+        finally:
+            await signer.stop()
+            await health.stop()
+
+    status, body = asyncio.run(go())
+    assert status == 500
+    assert "CSR signer" in body["failures"][0] and "403" in body["failures"][0]
+
+
+def test_a_csr_whose_answer_failed_is_retried_not_dropped() -> None:
+    """One failed answer (an API error) is requeued with backoff; before, it was logged and dropped."""
+    import asyncio
+
+    from gpuobj_kube.client import ApiError
+    from gpuobj_operator.signer import Signer
+
+    csr = csr_obj(request_for())
+    gets: list[str] = []
+
+    class Flaky:
+        async def get(self, _res: object, name: str, *_a: object) -> dict:
+            gets.append(name)
+            if len(gets) == 1:
+                raise ApiError(500, "InternalError", "etcd leader changed")
+            return {**csr, "status": {"conditions": [{"type": "Denied"}]}}  # answered: nothing more to do
+
+    async def go() -> None:
+        signer = Signer(Flaky(), CertificateAuthority.generate())  # type: ignore[arg-type]
+        signer._worker = asyncio.create_task(signer._work())
+        signer._on_csr("ADDED", csr)
+        try:
+            await _until(lambda: len(gets) >= 2)
+        finally:
+            await signer.stop()
+
+    asyncio.run(go())
+    assert gets == ["gpuobj-agent-x", "gpuobj-agent-x"]
