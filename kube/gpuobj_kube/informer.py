@@ -162,8 +162,9 @@ class Informer:
         while True:
             try:
                 if rv is None:
+                    # No _recovered() here: a relist that works while the watch path fails (an event the
+                    # handler cannot take, a line too long) would reset the run and loop unseen forever.
                     rv = await self._relist()
-                    self._recovered()
                 async for kind, obj in self.kube.watch(
                     self.resource,
                     self.namespace,
@@ -172,7 +173,6 @@ class Informer:
                     field_selector=self.field_selector,
                     timeout_seconds=self.watch_timeout,
                 ):
-                    self._recovered()
                     if kind != "BOOKMARK":
                         self.handler(kind, obj)
                         if kind == "DELETED":
@@ -182,6 +182,8 @@ class Informer:
                     # Only once handled: a handler that fails makes us list again (below), never skip.
                     rv = obj["metadata"].get("resourceVersion", rv)
                     self.on_progress(rv)
+                    self._recovered()  # the watch made progress: the failure run ends here, not at a relist
+                self._recovered()  # the stream ended cleanly (the server's timeout): the watch works
             except Gone:
                 rv = None  # too old: list again (what went meanwhile is reported DELETED)
             except asyncio.CancelledError:

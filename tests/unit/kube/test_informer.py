@@ -182,3 +182,28 @@ def test_wait_for_raises_a_refusal_at_once_and_times_out_plainly_when_the_api_an
     with pytest.raises(TimeoutError) as plain:
         wait([{"ready": False, "metadata": {"resourceVersion": "3"}}], timeout=0.2)
     assert not isinstance(plain.value, ApiError)
+
+
+def test_an_event_the_handler_cannot_take_fails_the_informer_though_each_relist_works() -> None:
+    """A failure only on the watch path: a working relist must not reset the run, or it loops unseen forever."""
+    listed = {"items": [], "metadata": {"resourceVersion": "10"}}
+    kube = FakeKube([listed] * 400, [[("ADDED", pod("bad", "11"))]] * 400)
+
+    def handler(kind, obj) -> None:
+        if obj["metadata"]["name"] == "bad":
+            raise ValueError("cannot take pod bad")
+
+    async def go() -> None:
+        informer = Informer(kube, PODS, handler, backoff=(0.001, 0.002), give_up_after=0.05)  # type: ignore[arg-type]
+        informer.seed([], "10")
+        informer.start()
+        idle = asyncio.ensure_future(kube.idle.wait())
+        await asyncio.wait({idle, informer.task}, timeout=10, return_when=asyncio.FIRST_COMPLETED)  # type: ignore[arg-type]
+        idle.cancel()
+        try:
+            informer.task.result()  # type: ignore[union-attr]
+        finally:
+            await informer.stop()
+
+    with pytest.raises(InformerFailed, match="cannot take pod bad"):
+        asyncio.run(go())
