@@ -91,6 +91,7 @@ class Informer:
         self._resume_at: str | None = None
         self._task: asyncio.Task[None] | None = None
         self.failing_since: float | None = None  # monotonic start of the current run of errors
+        self._handler_failing = False  # the current run includes a failure past the transport (a handler's)
         self.last_error: BaseException | None = None
         self._failures = 0  # errors in the current run
         self.errors = 0  # every error other than 410 so far (each retried), for observability
@@ -154,6 +155,7 @@ class Informer:
         if self.failing_since is not None:
             log.info("watch of %s works again", self.resource.plural)
         self.failing_since, self.last_error = None, None
+        self._handler_failing = False
 
     async def _run(self) -> None:
         rv = self._resume_at
@@ -162,9 +164,11 @@ class Informer:
         while True:
             try:
                 if rv is None:
-                    # No _recovered() here: a relist that works while the watch path fails (an event the
-                    # handler cannot take, a line too long) would reset the run and loop unseen forever.
                     rv = await self._relist()
+                    # A relist that works ends a run of transport errors; not one of handler errors: the relist
+                    # would reset it each time and an event the handler cannot take would loop unseen forever.
+                    if not self._handler_failing:
+                        self._recovered()
                 async for kind, obj in self.kube.watch(
                     self.resource,
                     self.namespace,
@@ -193,6 +197,7 @@ class Informer:
                 log.info("watch of %s interrupted: %s; again in %.2fs", self.resource.plural, exc, delay)
                 await asyncio.sleep(delay)
             except Exception as exc:
+                self._handler_failing = True
                 delay = self._failed(exc)
                 log.exception("watch of %s failed", self.resource.plural)
                 rv = None  # an event may not have been applied: list again rather than skip it
