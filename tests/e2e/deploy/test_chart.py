@@ -40,6 +40,7 @@ DASHBOARD_FILE = REPO / "deploy" / "grafana" / "gpuobj-leaks-dashboard.json"
 DEFAULT_KINDS = {
     "ServiceAccount", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding", "Role",
     "RoleBinding", "Service", "Deployment", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+    "FlowSchema", "PriorityLevelConfiguration",
 }  # fmt: skip
 OPTIONAL_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap"}
 

@@ -594,6 +594,8 @@ def test_kubectl_apply_k_deploy_installs_the_crds_and_the_operator(
     finally:
         # Everything but the CRDs (deleting those would delete every gpuobj object in the cluster).
         k("delete", "-k", str(DEPLOY / "operator"), "--wait=false", "--ignore-not-found")
+        # The flow schemas are cluster-wide: left behind, they would classify every later test's requests.
+        k("delete", "-f", str(DEPLOY / "flowcontrol.yaml"), "--ignore-not-found")
         _deleted_namespaces.append(namespace)  # its contents go with it; the module waits for it
     assert (
         k("get", "clusterrole", "gpuobj-operator", "gpuobj-workload", "--ignore-not-found", "-o", "name").stdout == ""
