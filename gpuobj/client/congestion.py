@@ -13,8 +13,18 @@ writes that landed unthrottled. The decisions are pure; ``acquire``/``release`` 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Callable
+
+
+def jittered(delay: float, draw: Callable[[], float] = random.random) -> float:
+    """A retry delay spread over [delay/2, delay] ("equal jitter").
+
+    Why: pods that failed together (an API server restart, one 429 burst) would otherwise retry together,
+    every doubling step in lockstep, and hit the recovering server as one wave. Half the delay stays
+    fixed, so the backoff still grows; the other half is drawn per pod and per retry."""
+    return delay * (0.5 + 0.5 * draw())
 
 
 class InFlightLimit:

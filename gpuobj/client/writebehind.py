@@ -56,7 +56,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuobj.client.congestion import InFlightLimit
+from gpuobj.client.congestion import InFlightLimit, jittered
 from gpuobj.client.errors import GpuObjError, NameTakenError, PermissionDeniedError, PodNotFoundError
 from gpuobj_contract import resources as crd
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, ApiError, ApiTimeout, Conflict, KubeClient, NotFound
@@ -503,7 +503,7 @@ class WriteBehind:
                     self.in_flight.observe(True)
                 self._note_failure(exc)
             self.counts["retries"] += 1
-            await asyncio.sleep(delay)
+            await asyncio.sleep(jittered(delay))
             delay = min(delay * 2, BACKOFF_MAX)
 
     def _refused_for_good(self, w: Write, exc: ApiError, forbidden_since: float | None) -> bool:

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from gpuobj.client.congestion import InFlightLimit
+from gpuobj.client.congestion import InFlightLimit, jittered
 from gpuobj.client.errors import NameTakenError, PodNotFoundError
 from gpuobj.client.writebehind import WriteBehind, WriteBehindFullError, WriteFailedError
 from gpuobj_contract import resources as crd
@@ -575,3 +575,12 @@ def test_without_a_private_capable_agent_every_object_is_recorded() -> None:
         await wb.close()
 
     run(go())
+
+
+def test_retry_delays_are_jittered_per_pod_within_half_to_the_whole_delay() -> None:
+    """Pods that failed together must not retry together: each draws its own delay in [d/2, d]."""
+    assert jittered(2.0, lambda: 0.0) == 1.0 and jittered(2.0, lambda: 1.0) == 2.0
+    pods = [random.Random(seed) for seed in range(50)]
+    delays = [jittered(0.4, pod.random) for pod in pods]
+    assert all(0.2 <= d <= 0.4 for d in delays)
+    assert len({round(d, 6) for d in delays}) > 40  # spread, not one wave
