@@ -8,6 +8,8 @@ PREFIX = "gpuobj_"
 OBJECTS = "gpuobj_objects"  # gauge{state}
 OBJECT_BYTES = "gpuobj_object_bytes"  # gauge{state}
 CLAIMS = "gpuobj_claims"  # gauge
+CLAIM_OLDEST_AGE = "gpuobj_claim_oldest_age_seconds"  # gauge{namespace}: age of its oldest live claim (0: none)
+CLAIM_HELD_BYTES = "gpuobj_claim_held_bytes"  # gauge{namespace,age=under_10m|10m_to_1h|over_1h}: by oldest claim
 LEAKED_BYTES = "gpuobj_leaked_bytes"  # gauge{namespace,pod}
 DEAD_HOLDER_BYTES = "gpuobj_dead_holder_bytes"  # gauge{namespace,pod}: the part of leaked bytes held by gone holders
 CLAIMS_DROPPED = "gpuobj_claims_dropped_total"  # counter{holder=pod|process|ttl|quota}

@@ -157,10 +157,10 @@ def decide_claim(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
             return [DeleteClaim(claim.key, claim.uid, f"holder pod {pod_name} is gone")]
     if why := ledger.holder_process_gone(claim):
         return [DeleteClaim(claim.key, claim.uid, why, holder="process")]
-    if claim.ttl_seconds and claim.created:
-        left = (claim.created + dt.timedelta(seconds=claim.ttl_seconds) - now).total_seconds()
+    if (ttl := ledger.claim_ttl.effective(claim)) and claim.created:
+        left = (claim.created + dt.timedelta(seconds=ttl) - now).total_seconds()
         if left <= 0:
-            return [DeleteClaim(claim.key, claim.uid, f"its TTL of {claim.ttl_seconds}s expired", holder="ttl")]
+            return [DeleteClaim(claim.key, claim.uid, f"its TTL of {ttl}s expired", holder="ttl")]
         actions.append(Requeue("claim", claim.key, left))
     if claim.holder_pod and claim.holder_pod not in claim.owner_pods:
         pod = ledger.pods.get((claim.namespace, claim.holder_pod))

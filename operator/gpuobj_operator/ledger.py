@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from gpuobj_contract import names
+from gpuobj_operator.claim_ttl import ClaimTTLDefaults
 from gpuobj_operator.liveness import Liveness
 from gpuobj_operator.model import ClaimInfo, ContainerRun, Key, ObjectInfo, PodInfo, StreamInfo
 from gpuobj_operator.quota import QuotaBook
@@ -101,6 +102,8 @@ class Ledger:
     learned_at: dict[str, float] = field(default_factory=dict)
     # Each namespace's running sum of bytes against its quota (quota.py), kept on every object event.
     quota: QuotaBook = field(default_factory=QuotaBook)
+    # Each namespace's default claim ttl (claim_ttl.py): a claim without spec.ttlSeconds expires as if it had it.
+    claim_ttl: ClaimTTLDefaults = field(default_factory=ClaimTTLDefaults)
 
     # ------------------------------------------------------------ updates; each returns the keys to reconcile
 

@@ -31,6 +31,7 @@ from gpuobj_kube.config import load as load_config
 from gpuobj_kube.informer import Informer
 from gpuobj_operator.agent_ca import ClientCertificate, load_or_create, service_account_of
 from gpuobj_operator.agent_client import AgentClient
+from gpuobj_operator.claim_ttl import ClaimTTLDefaults, parse_namespace_claim_ttl
 from gpuobj_operator.claimcheck import Watermark
 from gpuobj_operator.events import EventRecorder
 from gpuobj_operator.leader import Backoff, LeaderElector, LeaseConfig
@@ -154,6 +155,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="the quota of every namespace --namespace-quota does not name (default: none)",
     )
     p.add_argument(
+        "--namespace-claim-ttl",
+        action="append",
+        type=_flag(parse_namespace_claim_ttl),
+        default=[],
+        metavar="NAMESPACE=DURATION",
+        help="the ttl of a claim without one in that namespace (e.g. team-a=10m): bounds how long a hung reader "
+        "holds an object; repeat per namespace (docs/workload-pods.md#hung-readers)",
+    )
+    p.add_argument(
         "--agent-tls",
         choices=("on", "off"),
         default=env("GPUOBJ_AGENT_TLS_CALLS", "off"),
@@ -253,6 +263,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         liveness_interval=args.liveness_interval,
         claims_read_delay=read_delay,
         quota=QuotaLimits(MappingProxyType(dict(args.namespace_quota)), args.default_namespace_quota),
+        claim_ttl=ClaimTTLDefaults(MappingProxyType(dict(args.namespace_claim_ttl))),
     )
 
 

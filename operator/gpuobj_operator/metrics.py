@@ -7,6 +7,7 @@ when their pod goes away.
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -14,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gpuobj_contract import metric_names as m
+from gpuobj_operator.claim_ttl import AGE_BUCKETS, age_bucket
 from gpuobj_operator.ledger import Ledger
 
 FREE_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -35,7 +37,42 @@ class LedgerCollector(Collector):
         yield objects
         yield sizes
         yield claims
+        yield from claim_age_families(ledger, dt.datetime.now(dt.UTC))
         yield from _quota_families(ledger)
+
+
+def claim_age_families(ledger: Ledger, now: dt.datetime) -> Iterator[GaugeMetricFamily]:
+    """Per namespace: the age of its oldest live claim, and the bytes its claims hold by the age of each
+    object's oldest claim (a hung reader without a ttl shows as bytes moving to over_1h). O(claims) at a
+    scrape; every namespace with objects or claims gets its series, 0 when nothing is held."""
+    oldest_age: dict[str, float] = {ns: 0.0 for ns, _ in ledger.objects}
+    oldest_claim: dict[tuple[str, str], dt.datetime] = {}  # object key -> its oldest claim's creation
+    for claim in ledger.claims.values():
+        oldest_age.setdefault(claim.namespace, 0.0)
+        if claim.deleting:
+            continue
+        created = claim.created or now  # unknown: just seen
+        oldest_age[claim.namespace] = max(oldest_age[claim.namespace], (now - created).total_seconds())
+        oldest_claim[claim.object_key] = min(oldest_claim.get(claim.object_key, created), created)
+    held = {(ns, label): 0 for ns in oldest_age for _, label in AGE_BUCKETS}
+    for key, created in oldest_claim.items():
+        obj = ledger.objects.get(key)
+        if obj is not None:
+            held[(key[0], age_bucket(created, now))] += obj.bytes
+    oldest = GaugeMetricFamily(
+        m.CLAIM_OLDEST_AGE, "Age of the namespace's oldest live GPUObjectClaim (0: none)", labels=["namespace"]
+    )
+    for namespace, age in sorted(oldest_age.items()):
+        oldest.add_metric([namespace], age)
+    sizes = GaugeMetricFamily(
+        m.CLAIM_HELD_BYTES,
+        "Bytes of GPUObjects that claims hold, by the age of each object's oldest claim",
+        labels=["namespace", "age"],
+    )
+    for (namespace, label), size in sorted(held.items()):
+        sizes.add_metric([namespace, label], size)
+    yield oldest
+    yield sizes
 
 
 def _quota_families(ledger: Ledger) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

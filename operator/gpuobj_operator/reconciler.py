@@ -78,7 +78,7 @@ class Reconciler:
     ) -> None:
         self.settings = settings = settings or Settings()
         self.kube, self.agents, self.metrics, self.events = kube, agents, metrics, events
-        self.ledger = Ledger(quota=QuotaBook(settings.quota))
+        self.ledger = Ledger(quota=QuotaBook(settings.quota), claim_ttl=settings.claim_ttl)
         # Retries back off to 5 s at most: after an API outage every item is tried again within seconds.
         self.queue: WorkQueue[WorkItem] = WorkQueue(max_delay=5.0)
         self.expected = Expectations()

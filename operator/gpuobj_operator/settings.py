@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gpuobj_operator.claim_ttl import ClaimTTLDefaults
 from gpuobj_operator.quota import QuotaLimits
 from gpuobj_operator.shards import Shard
 
@@ -28,3 +29,5 @@ class Settings:
     claims_read_delay: float = 0.05
     # Byte quotas per namespace (quota.py; chart values quota.namespaces and quota.default).
     quota: QuotaLimits = field(default_factory=QuotaLimits)
+    # Default claim ttl per namespace (claim_ttl.py; chart value claimTTL.namespaces).
+    claim_ttl: ClaimTTLDefaults = field(default_factory=ClaimTTLDefaults)

@@ -139,6 +139,27 @@ def rows() -> tuple[RowSpec, ...]:
                 width=6,
                 height=7,
             ),
+            PanelSpec(
+                "Bytes held by claims, by claim age",
+                "Bytes of GPUObjects that claims hold, by the age of each object's oldest claim. Bytes that move to "
+                "10m_to_1h and over_1h are held by a reader that has not let go: a hung reader without a ttl keeps "
+                "its object Releasing for as long as its process lives. Find it with `kubectl get gclaim -n <ns>` "
+                "and give the namespace a default claim ttl (chart value claimTTL.namespaces).",
+                units.BytesIEC,
+                (Query(f"sum by (namespace, age) ({m.CLAIM_HELD_BYTES})", "{{namespace}} {{age}}"),),
+                stack=True,
+                width=12,
+                height=7,
+            ),
+            PanelSpec(
+                "Oldest claim age",
+                "Age of each namespace's oldest live claim (0: none). A line that only grows is a claim nobody "
+                "releases; a namespace default claim ttl caps it.",
+                units.Seconds,
+                (Query(f"max by (namespace) ({m.CLAIM_OLDEST_AGE})", "{{namespace}}"),),
+                width=12,
+                height=7,
+            ),
         ),
     )
     objects = RowSpec(

@@ -20,6 +20,9 @@ AGENT_LABELS = "namespace, pod, instance"
 # Several operator replicas may briefly export the same leak (handover): max, not sum.
 LEAKED_BY_POD = f"max by (namespace, pod) ({m.LEAKED_BYTES})"
 LEAKED_TOTAL = f"sum({LEAKED_BY_POD}) or vector(0)"
+# Bytes held by claims over an hour old (a hung reader without a ttl shows here), per namespace; max: the
+# same ledger's series from several operator replicas count once.
+CLAIM_HELD_OVER_1H = f'max by (namespace) ({m.CLAIM_HELD_BYTES}{{age="over_1h"}})'
 
 AGENT_REGISTERED = f"sum by ({AGENT_LABELS}) ({m.AGENT_NIXL_REGISTERED_BYTES})"
 AGENT_STORED = f"sum by ({AGENT_LABELS}) ({m.AGENT_STORE_BYTES})"

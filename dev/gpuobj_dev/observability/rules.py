@@ -93,6 +93,18 @@ def groups() -> list[dict]:
             "frees).",
             LEAK_RUNBOOK,
         ),
+        Alert(
+            "GPUObjectClaimHeldLong",
+            f"{q.CLAIM_HELD_OVER_1H} > 0",
+            "15m",
+            "warning",
+            "Claims in {{ $labels.namespace }} have held GPU objects for over an hour",
+            "Namespace {{ $labels.namespace }} has {{ $value | humanize1024 }}B of GPU objects held by claims more "
+            "than an hour old: a reader that never let go (a hung process without a ttl keeps its object Releasing).",
+            "kubectl get gclaim -n {{ $labels.namespace }} --sort-by=.metadata.creationTimestamp; the oldest claims' "
+            "holder pods are the suspects. Give the namespace a default claim ttl (chart value claimTTL.namespaces). "
+            "See deploy/prometheus/README.md#gpuobjectclaimheldlong.",
+        ),
     ]
     frees = [
         Alert(
