@@ -65,6 +65,44 @@ PREPARED_BUDGET = 128 << 20
 PREPARED_IDLE = 30.0
 
 
+# A sharded read (gpuobj.client.shards): per output tensor, (index of the stored tensor, output
+# shape, runs of (byte offset within the stored tensor, byte length)) in the output's order.
+Piece = tuple[int, tuple[int, ...], tuple[tuple[int, int], ...]]
+
+
+def _selected(
+    spans: list[Span | None], layouts: list[TensorLayout], select: Sequence[Piece]
+) -> tuple[list[Span | None], list[TensorLayout]]:
+    """The stored spans (unchanged) and the output layouts of a selection, checked against the object."""
+    out = []
+    for stored, shape, runs in select:
+        if not 0 <= stored < len(layouts):
+            raise FetchError(f"selection names tensor {stored}; the object has {len(layouts)}")
+        la = layouts[stored]
+        wanted = TensorLayout(tuple(shape), la.dtype, la.device)
+        if any(off < 0 or n < 0 or off + n > la.nbytes for off, n in runs) or sum(n for _, n in runs) != wanted.nbytes:
+            raise FetchError(f"selection of tensor {stored} does not fit its {la.nbytes} bytes")
+        out.append(wanted)
+    return spans, out
+
+
+def _selected_pairs(
+    spans: list[Span | None], tensors: list[torch.Tensor], select: Sequence[Piece]
+) -> list[tuple[Span, torch.Tensor]]:
+    """One (remote span, local byte view) per run: all of them go as one transfer request."""
+    pairs = []
+    for (stored, _, runs), t in zip(select, tensors, strict=True):
+        span = spans[stored]
+        if span is None or not runs:
+            continue
+        flat = t.reshape(-1).view(torch.uint8)  # freshly allocated: contiguous, a view of its bytes
+        at = 0
+        for off, n in runs:
+            pairs.append((Span(span.mem, span.dev, span.addr + off, n), flat[at : at + n]))
+            at += n
+    return pairs
+
+
 @dataclass(eq=False)
 class _Slot:
     """One prepared READ into one bound landing buffer."""
@@ -177,11 +215,12 @@ class Fetcher:
         token: str | None = None,
         timeout: float | None = None,
         pod_uid: str | None = None,
+        select: Sequence[Piece] | None = None,
     ) -> list[torch.Tensor]:
         """The object's tensors, newly allocated on `device`; raises FetchError (or a subclass) on failure.
 
         `pod_uid`: the source pod's, named on each request (the agent refuses one meant for another pod)
-        and, over TLS, the name its certificate must carry."""
+        and, over TLS, the name its certificate must carry. `select`: read only these pieces (`Piece`)."""
         started = time.monotonic()
         deadline = started + (timeout if timeout is not None else self.default_timeout)
         try:
@@ -205,7 +244,7 @@ class Fetcher:
         notified = False
         ok = False
         try:
-            tensors, notified = await self._read(endpoint, ticket, target, deadline)
+            tensors, notified = await self._read(endpoint, ticket, target, deadline, select)
             ok = True
         finally:
             elapsed = time.monotonic() - started
@@ -241,6 +280,7 @@ class Fetcher:
         token: str | None = None,
         timeout: float | None = None,
         pod_uid: str | None = None,
+        select: Sequence[Piece] | None = None,
     ) -> list[torch.Tensor]:
         """Read with a grant the source handed over (store.grant): no request to the source at all.
 
@@ -255,12 +295,19 @@ class Fetcher:
         except BadRequest as exc:
             raise FetchError(str(exc)) from None
         try:
-            tensors, _ = await self._read(endpoint, self._parse(endpoint, grant, "read grant"), target, deadline)
+            ticket = self._parse(endpoint, grant, "read grant")
+            tensors, _ = await self._read(endpoint, ticket, target, deadline, select)
         except (SourceUnavailable, FetchError) as exc:
             log.debug("grant for %s on %s no longer serves (%s); asking for a ticket", object_id, endpoint, exc)
             left = deadline - time.monotonic()
             return await self.fetch(
-                endpoint, object_id, device=device, token=token, timeout=max(left, 0.001), pod_uid=pod_uid
+                endpoint,
+                object_id,
+                device=device,
+                token=token,
+                timeout=max(left, 0.001),
+                pod_uid=pod_uid,
+                select=select,
             )
         self.metrics.transfer_bytes.labels(direction="in").inc(sum(t.nbytes for t in tensors))
         self.metrics.transfer_seconds.labels(direction="in").observe(time.monotonic() - started)
@@ -475,7 +522,7 @@ class Fetcher:
             raise FetchError(f"source {endpoint} sent undecodable NIXL metadata: {exc}") from None
 
     async def _read(
-        self, endpoint: str, ticket: api.ReadTicket, device: str, deadline: float
+        self, endpoint: str, ticket: api.ReadTicket, device: str, deadline: float, select: Sequence[Piece] | None = None
     ) -> tuple[list[torch.Tensor], bool]:
         """Allocate, load the metadata and READ (on a transfer thread); returns (tensors, end notified)."""
         layouts, spans, agent = list(ticket.tensors), self._spans(ticket), ticket.nixl_agent
@@ -496,6 +543,7 @@ class Fetcher:
             abort,
             forget,
             READ_END_PREFIX + read_id.encode() if read_id else b"",
+            select,
         )
         try:
             return await asyncio.shield(job)
@@ -526,9 +574,12 @@ class Fetcher:
         abort: threading.Event,
         forget: list[str],
         notify: bytes,
+        select: Sequence[Piece] | None = None,
     ) -> tuple[list[torch.Tensor], bool]:
         """On a transfer thread: destination, retired agents dropped, metadata loaded, READ."""
         self._forget(forget)
+        if select is not None:
+            spans, layouts = _selected(spans, layouts, select)
         try:
             if device == "cpu":
                 tensors, _ = self.pool.carve(layouts)  # registered, pre-faulted landing memory
@@ -538,7 +589,10 @@ class Fetcher:
                 registered = False
         except (RuntimeError, MemoryError) as exc:
             raise FetchError(f"allocating the destination on {device} failed: {exc}") from exc
-        pairs = [(s, t) for s, t in zip(spans, tensors, strict=True) if s is not None]
+        if select is not None:
+            pairs = _selected_pairs(spans, tensors, select)
+        else:
+            pairs = [(s, t) for s, t in zip(spans, tensors, strict=True) if s is not None]
         if not pairs:
             return tensors, False
         if metadata:

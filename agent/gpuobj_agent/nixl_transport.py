@@ -150,6 +150,8 @@ class NixlAgent:
         self._graveyard: list[tuple[object, list[torch.Tensor]]] = []  # transfers that could not be cancelled yet
         self.local_registrations = 0
         self.local_deregistrations = 0
+        self.read_requests = 0  # NIXL READ requests posted by `read` (one per memory-type pair)
+        self.read_bytes = 0  # bytes those requests' descriptors cover: what crossed the wire
 
     # -- lifecycle ---------------------------------------------------------------------
     def close(self) -> None:
@@ -339,6 +341,9 @@ class NixlAgent:
                 rdl = bind.nixlXferDList(segs[rmem], [(r.addr, r.nbytes, r.dev) for r, _ in group])
                 handles.append(self._a().initialize_xfer("READ", ldl, rdl, remote_agent, notif_msg=notify))
             states = [self._a().transfer(h) for h in handles]
+            with self._lock:
+                self.read_requests += len(handles)
+                self.read_bytes += sum(r.nbytes for r, _ in items)
             self._wait(handles, states, deadline, abort)
         except TransportError:
             self._release(handles, keep)

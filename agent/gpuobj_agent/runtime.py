@@ -24,6 +24,7 @@ from aiohttp import web
 from gpuobj_agent.agent import Agent
 from gpuobj_agent.auth import ServiceAccountAuth
 from gpuobj_agent.config import AgentConfig
+from gpuobj_agent.fetch import Piece
 from gpuobj_agent.layouts import TensorLayout
 from gpuobj_agent.store import StoredObject
 from gpuobj_agent.store import iso_time as _iso
@@ -219,10 +220,11 @@ class AgentRuntime:
         token: str | None,
         timeout: float | None,
         pod_uid: str | None = None,
+        select: Sequence[Piece] | None = None,
     ) -> list[torch.Tensor]:
         assert self.agent.fetcher is not None
         return await self.agent.fetcher.fetch(
-            endpoint, object_id, device=device, token=token, timeout=timeout, pod_uid=pod_uid
+            endpoint, object_id, device=device, token=token, timeout=timeout, pod_uid=pod_uid, select=select
         )
 
     async def _inventory(self) -> dict[str, Any]:
@@ -297,10 +299,11 @@ class AgentRuntime:
         device: str = "cpu",
         token: str | None = None,
         timeout: float | None = None,
+        select: Sequence[Piece] | None = None,
     ) -> list[torch.Tensor]:
-        """Read an object from the agent at `endpoint` into new tensors on `device`."""
+        """Read an object from the agent at `endpoint` into new tensors on `device` (`select`: only these pieces)."""
         bound = None if timeout is None else timeout + 5
-        return self._call(self._fetch(endpoint, object_id, device, token, timeout), bound)
+        return self._call(self._fetch(endpoint, object_id, device, token, timeout, None, select), bound)
 
     async def afetch(
         self,
@@ -311,8 +314,10 @@ class AgentRuntime:
         token: str | None = None,
         timeout: float | None = None,
         pod_uid: str | None = None,
+        select: Sequence[Piece] | None = None,
     ) -> list[torch.Tensor]:
-        return await self._acall(self._fetch(endpoint, object_id, device, token, timeout, pod_uid))
+        """`select`: read only these pieces of the object (fetch.Piece; gpuobj.client.shards makes them)."""
+        return await self._acall(self._fetch(endpoint, object_id, device, token, timeout, pod_uid, select))
 
     async def agrant(self, object_id: str) -> dict[str, Any]:
         """A read grant for an object held here (store.grant), to embed in a hand-off."""
@@ -328,12 +333,13 @@ class AgentRuntime:
         token: str | None = None,
         timeout: float | None = None,
         pod_uid: str | None = None,
+        select: Sequence[Piece] | None = None,
     ) -> list[torch.Tensor]:
         """Read with a grant (no request to the source; a ticket only if the grant went stale)."""
         assert self.agent.fetcher is not None
         return await self._acall(
             self.agent.fetcher.fetch_granted(
-                endpoint, object_id, grant, device=device, token=token, timeout=timeout, pod_uid=pod_uid
+                endpoint, object_id, grant, device=device, token=token, timeout=timeout, pod_uid=pod_uid, select=select
             )
         )
 

@@ -28,6 +28,7 @@ from gpuobj.client import errors
 from gpuobj.client.core import ClientCore, describe_ref
 from gpuobj.client.handles import ObjectAddress, ObjectRef, SharedRef
 from gpuobj.client.loop import LoopThread, Runner
+from gpuobj.client.shards import Shard
 from gpuobj.client.streams import StreamReader, StreamWriter
 from gpuobj.client.writebehind import DEFAULT_MAX_PENDING, DEFAULT_WINDOW
 from gpuobj_contract import names
@@ -265,12 +266,16 @@ class Client:
             self.core.put(tensors, name=name, labels=labels, copy=copy, shared_with=shared_with), "put"
         )
 
-    def fetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list | dict:
-        """The object's tensors: a list, or the mapping of names to tensors it was put as."""
-        tensors = self.core.fetch_direct(ref, device=device)  # a hand-off with a read grant: no loop hop
-        if tensors is not None:
-            return tensors
-        return self.runner.call(self.core.fetch(ref, device=device), f"fetch {describe_ref(ref)}")
+    def fetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu", select: Shard | None = None) -> list | dict:
+        """The object's tensors: a list, or the mapping of names to tensors it was put as.
+
+        `select` (gpuobj.Shard): only some names and/or one slice of each tensor along a dimension, read as
+        one transfer of exactly those bytes (docs/weight-sync.md, "Sharded pulls")."""
+        if select is None:
+            tensors = self.core.fetch_direct(ref, device=device)  # a hand-off with a read grant: no loop hop
+            if tensors is not None:
+                return tensors
+        return self.runner.call(self.core.fetch(ref, device=device, select=select), f"fetch {describe_ref(ref)}")
 
     def borrow(self, ref: ObjectRef | ObjectAddress, *, ttl: int | None = None) -> ObjectRef:
         """Claim for this process. ``ttl``: seconds after which the operator drops the claim regardless."""
@@ -343,8 +348,10 @@ class Client:
             self.core.put(tensors, name=name, labels=labels, copy=copy, shared_with=shared_with), "put"
         )
 
-    async def afetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list | dict:
-        return await self.runner.acall(self.core.fetch(ref, device=device), f"fetch {describe_ref(ref)}")
+    async def afetch(
+        self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu", select: Shard | None = None
+    ) -> list | dict:
+        return await self.runner.acall(self.core.fetch(ref, device=device, select=select), f"fetch {describe_ref(ref)}")
 
     async def aborrow(self, ref: ObjectRef | ObjectAddress, *, ttl: int | None = None) -> ObjectRef:
         return await self.runner.acall(self.core.borrow(ref, ttl=ttl), f"borrow {describe_ref(ref)}")

@@ -26,10 +26,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gpuobj.client import errors, state_dicts
+from gpuobj.client import errors, shards, state_dicts
 from gpuobj.client.errors import FetchError, ObjectLostError, ObjectNotFoundError
 from gpuobj.client.handles import ObjectAddress, ObjectRef, SharedRef, TensorLayout
 from gpuobj.client.releases import ReleaseQueue
+from gpuobj.client.shards import Shard
 from gpuobj.client.state_dicts import Entries, PackPool, is_state_dict, unpack
 from gpuobj.client.writebehind import Record, WriteBehind
 from gpuobj_agent.layouts import layout_of
@@ -367,12 +368,26 @@ class ClientCore:
             self.releases.end_read(claim)
         return None
 
+    @staticmethod
+    def _select(address: ObjectAddress, select: Shard) -> tuple[list[shards.Piece], Entries]:
+        """The agent's `select` pieces for a Shard and the result's names; InvalidRequestError if it does not fit."""
+        if not isinstance(select, Shard):
+            raise errors.InvalidRequestError(f"fetch: select must be a gpuobj.Shard, not {type(select).__name__}")
+        pieces, entries = shards.pieces(address.layouts, address.entries, select)
+        return pieces, tuple(entries)
+
     def _source_uid(self, address: ObjectAddress) -> dict[str, str]:
         """The source pod's uid for the agent's fetch, when known (a TLS agent will not call an agent without)."""
         return {"pod_uid": address.source_pod_uid} if address.source_pod_uid else {}
 
-    async def fetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu") -> list:
+    async def fetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu", select: Shard | None = None) -> list:
+        """`select` (shards.Shard): only these names / this slice of each tensor, as one transfer of those bytes."""
         address = live_address(ref, "fetch")  # a released handle refuses
+        picked: dict[str, Any] = {}
+        named: Entries = ()
+        if select is not None:  # a bad selection is refused here, before any request
+            pieces, named = self._select(address, select)
+            picked["select"] = pieces
         granted = isinstance(ref, ObjectRef) and ref.grant is not None and ref.claim_name is not None
         claim = ref.claim_name if granted else None  # type: ignore[union-attr]
         if claim is not None:
@@ -387,6 +402,7 @@ class ClientCore:
                     device=device,
                     token=self.token(),
                     **self._source_uid(address),
+                    **picked,
                 )
             else:
                 tensors = await self.agent.afetch(
@@ -395,9 +411,12 @@ class ClientCore:
                     device=device,
                     token=self.token(),
                     **self._source_uid(address),
+                    **picked,
                 )
             if isinstance(ref, ObjectRef) and ref in self._read_once:
                 await self.release(ref)  # a read-once hand-off: its one read is done
+            if select is not None:  # the selected names (a list object: the selected tensors, in order)
+                return unpack(named, tensors) if address.entries else [tensors[i] for _, i in named]
             return as_put(address, tensors)
         except Exception as exc:
             if address.namespace != self.namespace or _read_refused(exc):
