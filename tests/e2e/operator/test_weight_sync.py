@@ -179,3 +179,46 @@ def test_a_reader_killed_mid_fetch_leaves_nothing_held(
     assert trainer.eval("client.pack_stats()['busyBytes']") == 0
     wait_until(lambda: operator.metric("gpuobj_leaked_bytes") == 0, "no leaked bytes", 30)
     assert_api_empty(gpuobj_cluster, namespace)
+
+
+def test_tensor_parallel_readers_each_pull_their_half_and_move_half_the_bytes(
+    gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
+) -> None:
+    """docs/weight-sync.md, "Sharded pulls": each TP rank fetches its slice of every weight (dim 0 for the
+    matrices, whole tensors by names for the rest) as one READ; the two halves are the model, bytes and all."""
+    trainer = pods.workload(TRAINER)
+    readers = {name: pods.workload(name) for name in READERS}
+    for w in (trainer, *readers.values()):
+        w.run(SETUP + "; model = models.build('tiny'); import gpuobj")
+    trainer.run("ref = client.put(model.state_dict(), name='policy'); client.flush()")
+    full = trainer.eval("sum({t.data_ptr(): t.nbytes for t in model.state_dict().values()}.values())")
+    moved = 0.0
+    for rank, (name, reader) in enumerate(readers.items()):
+        shared = trainer.eval_pickle(f"client.share(ref, {name!r})")
+        before = agent_http.metric(pods.endpoint(name), "gpuobj_agent_transfer_bytes_total", {"direction": "in"})
+        reader.run(
+            f"h = client.adopt(load_pickle({shared!r})); mine = model.state_dict()\n"
+            "rows = [n for n, t in mine.items() if t.dim() >= 1 and t.shape[0] % 2 == 0]\n"
+            f"got = client.fetch(h, select=gpuobj.Shard(names=rows, dim=0, index={rank}, count=2))\n"
+            "rest = [n for n in mine if n not in rows]\n"
+            f"whole = client.fetch(h, select=gpuobj.Shard(names=rest)) if rest else {{}}"
+        )
+        moved += (
+            agent_http.metric(pods.endpoint(name), "gpuobj_agent_transfer_bytes_total", {"direction": "in"}) - before
+        )
+        assert reader.eval("sorted(got) == sorted(rows) and len(rows) > 20")
+        assert reader.eval(f"all(torch.equal(got[n], torch.chunk(mine[n], 2, 0)[{rank}]) for n in rows)")
+        assert reader.eval("all(torch.equal(whole[n], mine[n]) for n in rest)")
+        reader.run(  # a bad selection is refused by the client before any read, naming what is wrong
+            "try:\n    client.fetch(h, select=gpuobj.Shard(names=['nope'], dim=0, count=2)); err = ''\n"
+            "except gpuobj.InvalidRequestError as exc:\n    err = str(exc)"
+        )
+        assert "no tensor named 'nope'" in reader.eval("err")
+        reader.run("del got, whole, mine; h.release()")
+    rest_bytes = readers[READERS[0]].eval(
+        "sum({t.data_ptr(): t.nbytes for n, t in model.state_dict().items() if n in rest}.values())"
+    )
+    assert moved == full + rest_bytes  # each rank: half of every sliced tensor, plus the unsliced ones whole
+    trainer.run("ref.release()")
+    wait_object(gpuobj_cluster, namespace, "policy", lambda o: o is None)
+    finish(gpuobj_cluster, namespace, pods, token_file, trainer, readers)
