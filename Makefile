@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv/bin/python
 TOOLS ?= etcd kubernetes helm prometheus kwok
 
-.PHONY: setup demo test test-unit lint toolchain images dev-cluster-up dev-cluster-down bench bench-scale dashboard clean
+.PHONY: setup demo test test-unit lint toolchain images dev-cluster-up dev-cluster-down bench bench-scale dashboard gpu-wheels clean
 
 setup:
 	@PYTHONPATH=dev $(PYTHON) -m gpuobj_dev.pyenv
@@ -65,6 +65,11 @@ bench-scale: setup
 dashboard: setup
 	@$(VENV) -m gpuobj_dev.observability.dashboard --write
 	@$(VENV) -m gpuobj_dev.observability.rules --write
+
+# The wheels the GPU check (dev/gpu_check.sh, docs/gpu.md) installs on a bare GPU machine that has no network;
+# prints their sizes and the total with the working tree, which must stay within the 64 MiB the device tool carries.
+gpu-wheels: setup
+	@$(VENV) -m gpuobj_dev.gpu_wheels $(GPU_WHEELS_ARGS)
 
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache
