@@ -17,6 +17,10 @@ and releases the previous one.
   an argument and keep the version until the next one, the driver dropping each version's ref.
 - raw NIXL: the same bytes, one READ of pre-registered memory, between the trainer and the first
   reader process (no control plane at all): the ceiling for one reader.
+- gpuobj sharded (TP=2, with 2 or more reader processes): two readers each fetch half of every tensor
+  that splits along dim 0, the rest whole (`fetch(select=gpuobj.Shard(...))`, docs/weight-sync.md),
+  verified against the trainer's `torch.chunk`; `sharded_bytes_ratio` is the bytes NIXL moved for one
+  reader over the model's bytes (0.5 when every tensor splits).
 
 Printed per row: median time from the publish call to every reader holding the verified version,
 fetch GB/s per reader, NIXL registrations and deregistrations per version in the trainer (after
@@ -88,6 +92,15 @@ def finish():
     client.flush()
     return [ledger.registrations, ledger.deregistrations, client.pack_stats()]
 
+def shard_names():
+    # the tensors a TP=2 reader slices along dim 0 (the rest it reads whole): every one that splits evenly
+    return [n for n, t in model.state_dict().items() if t.dim() >= 1 and t.shape[0] % 2 == 0]
+
+def shard_crc(rank, count):
+    import torch
+    sd, rows = model.state_dict(), set(shard_names())
+    return models.checksum({n: torch.chunk(t, count, 0)[rank] if n in rows else t for n, t in sd.items()})
+
 def raw_source(nbytes):
     global raw_agent, raw_buf, raw_key
     import torch
@@ -122,6 +135,27 @@ def take(shared, crc):
         client.release(old[0])  # returns once the source took the release (it may free the version now)
     del old
     return [ok, fetched - t, done]
+
+def take_shard(shared, crc, rows, rank, count):
+    # a TP rank's pull: its half of every splittable tensor, the rest whole; returns the bytes NIXL moved
+    import gpuobj
+    global held
+    h = client.adopt(load_pickle(shared))
+    reader = client.agent.agent.fetcher.reader
+    wire = reader.read_bytes
+    t = time.monotonic()
+    sd = client.fetch(h, select=gpuobj.Shard(names=rows, dim=0, index=rank, count=count))
+    rest = [n for n, _ in h.address.entries if n not in set(rows)]
+    if rest:
+        sd |= client.fetch(h, select=gpuobj.Shard(names=rest))
+    fetched = time.monotonic()
+    ok = models.checksum({n: sd[n] for n, _ in h.address.entries}) == crc
+    done = time.monotonic()
+    old, held = held, (h, sd)
+    if old is not None:
+        client.release(old[0])
+    del old
+    return [ok, fetched - t, done, reader.read_bytes - wire]
 
 def drop():
     global held
@@ -202,6 +236,11 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
                     file=sys.stderr,
                     flush=True,
                 )
+            if len(readers) >= 2 and not out["errors"]:
+                try:
+                    out["rows"][size]["sharded"] = sharded_loop(args, trainer, readers, incarnations, nbytes)
+                except Exception as exc:
+                    out["errors"].append(f"{size} sharded: {type(exc).__name__}: {str(exc)[:300]}")
         out["leaked_bytes_end"] = leaked_end(operator) if not out["errors"] else None
         out["load_end"] = load()
         return out
@@ -249,6 +288,47 @@ def version_loop(args, trainer, readers, names, incarnations, nbytes) -> dict:
         "pack_waits": pool["waits"],
         "trainer_peak_bytes": pool["bytes"],
         "trainer_peak_versions": pool["bytes"] / nbytes,
+        "bytes_verified": verified,
+    }
+
+
+def sharded_loop(args, trainer, readers, incarnations, nbytes) -> dict:
+    """TP=2: two readers each pull half of every tensor that splits along dim 0 (the rest whole), per version."""
+    names = list(readers)[:2]
+    targets = [[n, incarnations[n]] for n in names]
+    rows = trainer.eval("shard_names()")
+    totals, fetch_s, moved, verified = [], [], [], True
+    for version in range(1, args.versions + 1):
+        t0, _, shares, _, _ = trainer.eval(f"publish({version}, {targets!r})", timeout=600)
+        crcs = [trainer.eval(f"shard_crc({rank}, 2)", timeout=600) for rank in range(2)]
+        results: dict[str, list] = {}
+
+        def take(rank: int, shared: str, results: dict = results, crcs: list = crcs) -> None:
+            name = names[rank]
+            results[name] = readers[name].eval(
+                f"take_shard({shared!r}, {crcs[rank]}, {rows!r}, {rank}, 2)", timeout=600
+            )
+
+        threads = [threading.Thread(target=take, args=(i, s)) for i, s in enumerate(shares)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if len(results) != 2:
+            raise RuntimeError(f"sharded version {version}: a reader failed")
+        verified = verified and all(r[0] for r in results.values())
+        totals.append(max(r[2] for r in results.values()) - t0)
+        fetch_s.extend(r[1] for r in results.values())
+        moved.extend(r[3] for r in results.values())
+    for n in names:
+        readers[n].run("drop()")
+    trainer.eval("finish()")
+    return {
+        "median_ms": median(totals) * 1000,
+        "slowest_fetch_ms": max(fetch_s) * 1000,
+        "bytes_moved_per_reader": median(moved),
+        # bytes a half-shard reader moved / the model's bytes (0.5 plus half the unsplittable tensors' share)
+        "sharded_bytes_ratio": median(moved) / nbytes,
         "bytes_verified": verified,
     }
 
@@ -422,6 +502,13 @@ def summarize(ray: dict | str, ours: dict | str, args: argparse.Namespace) -> di
                 f"{r['deregistrations_per_version_after_second']:7.2f} | {r['trainer_peak_versions']:6.1f}"
             )
     print_steps(ours)
+    sharded = {size: row["sharded"] for size, row in ours["rows"].items() if "sharded" in row}
+    for size, r in sharded.items():
+        verified = verified and r["bytes_verified"]
+        print(
+            f"sharded {size} (TP=2, 2 readers each pulling half): {r['median_ms']:.1f} ms per version, "
+            f"bytes moved per reader / full bytes {r['sharded_bytes_ratio']:.3f}, bytes verified {r['bytes_verified']}"
+        )
     large = "large" if "large" in ours["rows"] else None
     one = ours["rows"][large]["by_readers"].get("1") if large else None
     figures.update(
@@ -432,6 +519,7 @@ def summarize(ray: dict | str, ours: dict | str, args: argparse.Namespace) -> di
             "trainer_peak_versions": max(peaks) if peaks else None,
             "bytes_verified": verified,
             "leaked_bytes_end": ours.get("leaked_bytes_end"),
+            "sharded_bytes_ratio": max((r["sharded_bytes_ratio"] for r in sharded.values()), default=None),
         }
     )
     print(
