@@ -373,6 +373,11 @@ class ClientCore:
         """The agent's `select` pieces for a Shard and the result's names; InvalidRequestError if it does not fit."""
         if not isinstance(select, Shard):
             raise errors.InvalidRequestError(f"fetch: select must be a gpuobj.Shard, not {type(select).__name__}")
+        if not address.layouts:
+            raise errors.InvalidRequestError(
+                f"fetch: {address.namespace}/{address.name}'s address carries no tensor layouts to select from "
+                "(use the handle put, adopt or borrow returned)"
+            )
         pieces, entries = shards.pieces(address.layouts, address.entries, select)
         return pieces, tuple(entries)
 

@@ -79,3 +79,17 @@ def test_unknown_names_uneven_splits_and_too_few_dims_are_refused_naming_what():
 def test_empty_tensors_select_no_bytes():
     got, _ = pieces((lay(0, 4),), (("e", 0),), Shard(dim=1, index=1, count=2))
     assert got == [(0, (0, 2), ())] and selected_bytes(got) == 0
+
+
+def test_the_client_refuses_a_selection_that_is_not_a_shard_or_has_no_layouts_to_select_from():
+    from gpuobj.client.core import ClientCore
+    from gpuobj.client.handles import ObjectAddress
+
+    bare = ObjectAddress("ns", "policy", "uid", "obj", "trainer", "10.0.0.1:8000")
+    with pytest.raises(InvalidRequestError, match="no tensor layouts"):
+        ClientCore._select(bare, Shard())
+    with pytest.raises(InvalidRequestError, match=r"must be a gpuobj\.Shard"):
+        ClientCore._select(bare, {"dim": 0})  # type: ignore[arg-type]
+    full = ObjectAddress("ns", "policy", "uid", "obj", "trainer", "10.0.0.1:8000", LAYOUTS, ENTRIES)
+    got, named = ClientCore._select(full, Shard(names=["w"], dim=0, index=1, count=2))
+    assert got == [(0, (2, 6), ((48, 48),))] and named == (("w", 0),)
