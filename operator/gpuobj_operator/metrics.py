@@ -44,8 +44,10 @@ class LedgerCollector(Collector):
 def claim_age_families(ledger: Ledger, now: dt.datetime) -> Iterator[GaugeMetricFamily]:
     """Per namespace: the age of its oldest live claim, and the bytes its claims hold by the age of each
     object's oldest claim (a hung reader without a ttl shows as bytes moving to over_1h). O(claims) at a
-    scrape; every namespace with objects or claims gets its series, 0 when nothing is held."""
-    oldest_age: dict[str, float] = {ns: 0.0 for ns, _ in ledger.objects}
+    scrape; every namespace the operator knows (its pods, objects, claims, a default ttl) gets its series,
+    0 when nothing is held, so the panels and the alert read 0 rather than nothing."""
+    known = {ns for ns, _ in ledger.pods} | {ns for ns, _ in ledger.objects} | set(ledger.claim_ttl.namespaces)
+    oldest_age: dict[str, float] = dict.fromkeys(known, 0.0)
     oldest_claim: dict[tuple[str, str], dt.datetime] = {}  # object key -> its oldest claim's creation
     for claim in ledger.claims.values():
         oldest_age.setdefault(claim.namespace, 0.0)

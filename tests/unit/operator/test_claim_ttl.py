@@ -105,6 +105,8 @@ def test_the_gauges_show_the_oldest_claim_and_the_bytes_it_holds_per_namespace()
 
 
 def test_a_namespace_without_claims_reads_zero() -> None:
-    oldest, held = claim_age_families(ledger_with(), NOW)
-    assert {s.value for s in oldest.samples} == {0.0}
-    assert {s.value for s in held.samples} == {0}
+    ledger = Ledger(claim_ttl=DEFAULTS)
+    ledger.upsert_pod(PodInfo("team-b", "src", "uid-src", "Running", "10.0.0.1:8471"))
+    oldest, held = claim_age_families(ledger, NOW)
+    assert {s.labels["namespace"]: s.value for s in oldest.samples} == {"team-a": 0.0, "team-b": 0.0}
+    assert {s.value for s in held.samples} == {0} and len(held.samples) == 6
