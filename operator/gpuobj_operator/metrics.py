@@ -55,12 +55,12 @@ def claim_age_families(ledger: Ledger, now: dt.datetime) -> Iterator[GaugeMetric
             continue
         created = claim.created or now  # unknown: just seen
         oldest_age[claim.namespace] = max(oldest_age[claim.namespace], (now - created).total_seconds())
-        oldest_claim[claim.object_key] = min(oldest_claim.get(claim.object_key, created), created)
+        obj = ledger.objects.get(claim.object_key)
+        if obj is not None and (not claim.object_uid or claim.object_uid == obj.uid):  # holds these bytes
+            oldest_claim[claim.object_key] = min(oldest_claim.get(claim.object_key, created), created)
     held = {(ns, label): 0 for ns in oldest_age for _, label in AGE_BUCKETS}
     for key, created in oldest_claim.items():
-        obj = ledger.objects.get(key)
-        if obj is not None:
-            held[(key[0], age_bucket(created, now))] += obj.bytes
+        held[(key[0], age_bucket(created, now))] += ledger.objects[key].bytes
     oldest = GaugeMetricFamily(
         m.CLAIM_OLDEST_AGE, "Age of the namespace's oldest live GPUObjectClaim (0: none)", labels=["namespace"]
     )

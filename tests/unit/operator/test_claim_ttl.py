@@ -88,10 +88,15 @@ def test_age_buckets() -> None:
 
 
 def test_the_gauges_show_the_oldest_claim_and_the_bytes_it_holds_per_namespace() -> None:
-    ledger = ledger_with(claim("young", age=5), claim("hung", age=7200), claim("b", ns="team-b", age=900))
+    ledger = ledger_with(
+        claim("young", age=5),
+        claim("hung", age=7200),
+        claim("b", ns="team-b", age=900),
+        claim("other", ns="team-b", age=9000, object_uid="an-earlier-incarnation"),  # holds no bytes of it
+    )
     oldest, held = claim_age_families(ledger, NOW)
     ages = {s.labels["namespace"]: s.value for s in oldest.samples}
-    assert ages == {"team-a": 7200.0, "team-b": 900.0}
+    assert ages == {"team-a": 7200.0, "team-b": 9000.0}
     sizes = {(s.labels["namespace"], s.labels["age"]): s.value for s in held.samples}
     # One object per namespace, counted once, in the bucket of its oldest claim; every bucket has a series.
     assert sizes == {
