@@ -71,7 +71,7 @@ install() {
 for m in ("torch", "numpy", "nixl._api", "jwt", "cryptography", "aiohttp", "prometheus_client", "pytest",
           "gpuobj_agent.runtime", "gpuobj_dev.testing.agent_workload", "gpuobj_dev.testing.issuer", "gpuobj.client.state_dicts"):
     mod = importlib.import_module(m)
-    print(f"  import {m}: ok ({getattr(mod, \"__version__\", \"\")} {getattr(mod, \"__file__\", \"\")})")
+    print("  import", m, "ok:", getattr(mod, "__version__", ""), getattr(mod, "__file__", ""))
 import sys
 assert "kubernetes" not in sys.modules, "the no-cluster path imported kubernetes"
 import torch

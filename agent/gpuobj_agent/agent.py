@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -34,7 +34,9 @@ from gpuobj_agent.server import build_app
 from gpuobj_agent.store import ObjectStore
 from gpuobj_agent.tls import AgentCertificate
 from gpuobj_contract import agent_api as api
-from gpuobj_kube.client import KubeClient
+
+if TYPE_CHECKING:  # the kube client (and the kubernetes package under it) only where it is used
+    from gpuobj_kube.client import KubeClient
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +125,7 @@ class Agent:
     async def _obtain_certificate(self) -> None:
         """Ask the operator's signer for this pod's certificate (with the pod's own API token): before
         anything is served, so no request is ever answered in plain text."""
+        from gpuobj_kube.client import KubeClient
         from gpuobj_kube.config import load
 
         c = self.config

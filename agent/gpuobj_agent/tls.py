@@ -25,7 +25,7 @@ import ssl
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -33,8 +33,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from gpuobj_contract import agent_tls
-from gpuobj_kube.client import CSRS, KubeClient
-from gpuobj_kube.informer import wait_for
+
+if TYPE_CHECKING:  # the kube client imports the kubernetes package: only an agent with tls=csr needs it
+    from gpuobj_kube.client import KubeClient
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,9 @@ async def request_certificate(
     kube: KubeClient, namespace: str, pod_name: str, pod_uid: str, ips: tuple[str, ...], *, timeout: float
 ) -> Issued:
     """Ask the signer for a certificate for this pod and wait for it (CertificateRefused if denied)."""
+    from gpuobj_kube.client import CSRS
+    from gpuobj_kube.informer import wait_for
+
     key_pem, csr_pem = make_request(namespace, pod_name, pod_uid, ips)
     name = f"{agent_tls.CSR_PREFIX}{pod_uid or pod_name}-{secrets.token_hex(4)}"[:253]
     body = {

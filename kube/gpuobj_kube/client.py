@@ -12,13 +12,14 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
 from gpuobj_contract import names
-from gpuobj_kube.config import KubeConfig
-from gpuobj_kube.config import load as load_config
+
+if TYPE_CHECKING:  # gpuobj_kube.config imports the kubernetes package; its errors below must not need it
+    from gpuobj_kube.config import KubeConfig
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,11 @@ class KubeClient:
     """One aiohttp session to one API server. Use as an async context manager or call close()."""
 
     def __init__(self, config: KubeConfig | None = None, *, request_timeout: float = 30.0, pool: int = 32) -> None:
-        self.config = config or load_config()
+        if config is None:
+            from gpuobj_kube.config import load as load_config
+
+            config = load_config()
+        self.config = config
         self.request_timeout = request_timeout
         self._pool = pool
         self._session: aiohttp.ClientSession | None = None

@@ -20,13 +20,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kubernetes.client import Configuration
-from kubernetes.config.config_exception import ConfigException
-from kubernetes.config.incluster_config import SERVICE_TOKEN_FILENAME, InClusterConfigLoader
-from kubernetes.config.kube_config import ENV_KUBECONFIG_PATH_SEPARATOR, KubeConfigLoader, KubeConfigMerger
+# The kubernetes package is imported where credentials are loaded, not with this module: its errors and
+# types are imported by the client library and the agent, which run without it where nothing talks to the
+# API server (the GPU check's image has no kubernetes package, docs/gpu.md).
+if TYPE_CHECKING:
+    from kubernetes.client import Configuration
 
-SA_DIR = Path(SERVICE_TOKEN_FILENAME).parent
 # Refresh a credential this long before its stated expiry, so no request goes out with a token about to lapse.
 EXPIRY_SKEW = dt.timedelta(seconds=30)
 # A credential without a stated expiry (a token file, an in-cluster token) is re-read this often anyway.
@@ -217,6 +218,10 @@ def _kubeconfig_paths(path: str | os.PathLike[str] | None) -> str:
 
 
 def _load_kubeconfig(paths: str, context: str | None) -> Credentials:
+    from kubernetes.client import Configuration
+    from kubernetes.config.config_exception import ConfigException
+    from kubernetes.config.kube_config import ENV_KUBECONFIG_PATH_SEPARATOR, KubeConfigLoader, KubeConfigMerger
+
     files = [p for p in paths.split(ENV_KUBECONFIG_PATH_SEPARATOR) if p]
     readable = [p for p in files if Path(p).expanduser().is_file()]
     if not readable:
@@ -253,6 +258,10 @@ def from_kubeconfig(path: str | os.PathLike[str] | None = None, context: str | N
 
 
 def _load_in_cluster(token_file: Path, ca_file: Path, namespace_file: Path) -> Credentials:
+    from kubernetes.client import Configuration
+    from kubernetes.config.config_exception import ConfigException
+    from kubernetes.config.incluster_config import InClusterConfigLoader
+
     cfg = Configuration()
     try:
         InClusterConfigLoader(
@@ -264,8 +273,12 @@ def _load_in_cluster(token_file: Path, ca_file: Path, namespace_file: Path) -> C
     return _from_configuration(cfg, namespace=namespace, expiry=None)  # re-read every REREAD_PERIOD
 
 
-def in_cluster(sa_dir: Path = SA_DIR) -> KubeConfig:
+def in_cluster(sa_dir: Path | None = None) -> KubeConfig:
     """The pod's ServiceAccount: KUBERNETES_SERVICE_HOST/PORT and the projected token, re-read as it rotates."""
+    if sa_dir is None:
+        from kubernetes.config.incluster_config import SERVICE_TOKEN_FILENAME
+
+        sa_dir = Path(SERVICE_TOKEN_FILENAME).parent
     if not os.environ.get("KUBERNETES_SERVICE_HOST") or not (sa_dir / "token").is_file():
         raise KubeConfigError("not running in a cluster (no KUBERNETES_SERVICE_HOST or ServiceAccount token)")
     return KubeConfig(
