@@ -8,16 +8,22 @@ kubernetes package the GPU image lacks) is not loaded, and nothing here needs a 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from ..integration.agent.conftest import make_process, make_runtime, settle, token_file  # noqa: F401 - fixtures
 
-DEVICE = "cuda:0"
+# GPUOBJ_GPU_TESTS_DEVICE=cpu runs the suite on CPU memory: a dry run of the tests' own logic on a machine
+# without a GPU (it proves nothing about VRAM); dev/gpu_check.sh never sets it.
+DEVICE = os.environ.get("GPUOBJ_GPU_TESTS_DEVICE", "cuda:0")
 
 
 def cuda_missing() -> str | None:
     """Why the suite cannot run here, or None when it can."""
+    if DEVICE == "cpu":
+        return None
     if not torch.cuda.is_available():
         return f"no CUDA device visible to torch {torch.__version__} (CUDA build: {torch.version.cuda})"
     return None
@@ -43,3 +49,9 @@ def registered_bytes(proc) -> float:
         if line.startswith(mn.AGENT_NIXL_REGISTERED_BYTES) and not line.startswith("#"):
             return float(line.split()[-1])
     raise AssertionError(f"{mn.AGENT_NIXL_REGISTERED_BYTES} missing from /metrics:\n{text}")
+
+
+def synchronize() -> None:
+    """Wait for the GPU's queued work (a no-op in a CPU dry run)."""
+    if DEVICE != "cpu":
+        torch.cuda.synchronize()

@@ -19,7 +19,7 @@ from gpuobj.client.state_dicts import unpack
 
 from ..integration.agent.conftest import TOKEN
 from ..integration.agent.test_weight_sync import Publisher
-from .conftest import DEVICE, settle
+from .conftest import DEVICE, settle, synchronize
 
 VERSIONS = 5
 
@@ -55,7 +55,7 @@ def logits(m: TinyDecoder) -> torch.Tensor:
     ids = torch.arange(64, device=DEVICE).reshape(2, 32) * 7 % 512
     with torch.no_grad():
         out = m(ids)
-    torch.cuda.synchronize()
+    synchronize()
     return out
 
 
@@ -73,7 +73,7 @@ def test_rollout_logits_equal_the_trainers_bit_for_bit_version_after_version(mak
         pub.publish(oid, trainer.state_dict())
         got = unpack(pub.entries[oid], rollout_agent.fetch(trainer_agent.endpoint, oid, device=DEVICE, token=TOKEN))
         rollout.load_state_dict(got)
-        torch.cuda.synchronize()
+        synchronize()
         per_version.append(time.perf_counter() - started)
         assert all(t.device == torch.device(DEVICE) for t in got.values())
         assert got["head.weight"] is got["embed.weight"]  # tied: stored once, restored tied
@@ -83,7 +83,8 @@ def test_rollout_logits_equal_the_trainers_bit_for_bit_version_after_version(mak
         gc.collect()
         assert trainer_agent.free(oid)["freed"]
     nbytes = sum(t.nbytes for t in trainer.state_dict().values())
-    print(f"\nweight sync on {torch.cuda.get_device_name(0)}: {nbytes} B per version, seconds {per_version}")
+    device = torch.cuda.get_device_name(0) if DEVICE != "cpu" else "cpu"
+    print(f"\nweight sync on {device}: {nbytes} B per version, seconds {per_version}")
     record_property("weight_sync_bytes", nbytes)
     record_property("weight_sync_seconds_per_version", [round(s, 4) for s in per_version])
     assert pub.pool.stats()["reused"] == VERSIONS - 1  # each version took the buffer the one before left
