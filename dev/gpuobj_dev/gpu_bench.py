@@ -33,7 +33,7 @@ from gpuobj_agent.runtime import AgentRuntime
 from gpuobj_dev.testing.agent_workload import AgentProcess
 from gpuobj_dev.testing.issuer import OPERATOR, default_issuer
 
-DEVICE = "cuda:0"
+DEVICE = "cuda:0"  # --device cpu: a dry run of this script on CPU memory where no GPU is lent
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
@@ -47,13 +47,13 @@ def parse_size(text: str) -> int:
 class RawRead:
     """Raw NIXL into VRAM between the same two processes, holding a read ticket so the object stays put."""
 
-    def __init__(self, src: AgentProcess, oid: str, nbytes: int) -> None:
+    def __init__(self, src: AgentProcess, oid: str, nbytes: int, device: str) -> None:
         self.src = src
         status, self.ticket = src.request("POST", f"/v1/objects/{oid}/reads", {"reader": "gpu-bench-raw"})
         assert status == 200, self.ticket
         self.agent = NixlAgent(f"gpu-bench-raw-{oid}", progress_thread=False)
         self.impl = self.agent._a()
-        self.dst = torch.zeros(nbytes, dtype=torch.uint8, device=DEVICE)
+        self.dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.reg = self.impl.register_memory(self.dst)
         self.agent.load_remote(base64.b64decode(self.ticket["agentMetadata"]))
         remote = self.impl.deserialize_descs(base64.b64decode(self.ticket["descriptors"]))
@@ -74,11 +74,13 @@ class RawRead:
         self.agent.close()
 
 
-def timed(fn: Any) -> float:
-    torch.cuda.synchronize()
+def timed(fn: Any, cuda: bool) -> float:
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -87,8 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="64MiB,256MiB,1GiB")
     parser.add_argument("--reps", type=int, default=20, help="reads per method and size (alternating)")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--device", default=DEVICE, help="where both ends hold the bytes (cpu: a dry run)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    cuda = args.device != "cpu"
+    if cuda and not torch.cuda.is_available():
         print("gpu_bench: no CUDA device visible to torch; nothing measured", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING)
@@ -115,25 +119,25 @@ def main(argv: list[str] | None = None) -> int:
             rt = AgentRuntime(config).start()
             for nbytes in sizes:
                 oid = f"gpu-bench-{nbytes}"
-                layout = TensorLayout((nbytes,), "uint8", DEVICE)
+                layout = TensorLayout((nbytes,), "uint8", args.device)
                 status, body = src.request(
                     "POST", "/v1/test/put", {"id": oid, "tensors": [layout.to_json()], "seed": 1}
                 )
                 assert status == 200, body
-                raw = RawRead(src, oid, nbytes)
+                raw = RawRead(src, oid, nbytes, args.device)
                 times: dict[str, list[float]] = {"raw": [], "fetch": []}
                 try:
 
                     def fetch(o: str = oid) -> None:
                         assert rt is not None
-                        got = rt.fetch(src.endpoint, o, device=DEVICE, token=token)
+                        got = rt.fetch(src.endpoint, o, device=args.device, token=token)
                         del got
 
                     raw()  # warm both paths: connections, metadata, a landing buffer
                     fetch()
                     for _ in range(args.reps):
-                        times["raw"].append(timed(raw))
-                        times["fetch"].append(timed(fetch))
+                        times["raw"].append(timed(raw, cuda))
+                        times["fetch"].append(timed(fetch, cuda))
                 finally:
                     raw.close()
                 src.request("POST", f"/v1/objects/{oid}/free", {"waitFence": True})
@@ -156,13 +160,16 @@ def main(argv: list[str] | None = None) -> int:
             src.stop()
             src.close()
     result = {
-        "gpu": torch.cuda.get_device_name(0),
+        "gpu": torch.cuda.get_device_name(0) if cuda else "none (--device cpu)",
         "torch": torch.__version__,
         "ucxTls": os.environ.get("UCX_TLS", "default"),
         "load": os.getloadavg(),
         "rows": rows,
     }
-    print(f"\nVRAM fetch vs raw NIXL READ into VRAM, {result['gpu']}, medians of {args.reps} (GB/s, 1 GB = 1e9 B)")
+    print(
+        f"\nfetch vs raw NIXL READ, both into {args.device}, {result['gpu']}, "
+        f"medians of {args.reps} (GB/s, 1 GB = 1e9 B)"
+    )
     print(f"{'bytes':>12} | {'raw NIXL':>8} | {'fetch':>8} | {'fetch/raw':>9}")
     for row in rows:
         print(f"{row['bytes']:>12} | {row['rawGBps']:8.2f} | {row['fetchGBps']:8.2f} | {row['fetchOverRaw']:9.0%}")
