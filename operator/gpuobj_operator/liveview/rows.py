@@ -244,7 +244,8 @@ def discovery() -> dict[str, Any]:
                 "kind": KIND,
                 "verbs": ["get", "list"],
                 "shortNames": list(SHORT_NAMES),
-                "categories": ["gpuobj"],
+                # Deliberately in no category: `kubectl get gpuobj` lists the recorded kinds and must
+                # keep working while the operator is down or after the APIService is removed.
             }
         ],
     }

@@ -128,3 +128,12 @@ def test_the_configmap_gives_the_requestheader_settings() -> None:
     assert config.allowed_names == ("front-proxy-client",) and config.client_ca == "PEM"
     with pytest.raises(ValueError, match="requestheader-client-ca-file"):
         RequestHeaderConfig.from_configmap({"client-ca-file": "PEM"})
+
+
+def test_discovery_keeps_the_view_out_of_the_gpuobj_category() -> None:
+    """`kubectl get gpuobj` expands the category: the view in it would fail that command whenever the
+    operator is down or a cached discovery outlives a removed APIService (kubernetes#83332)."""
+    (resource,) = view.discovery()["resources"]
+    assert resource["name"] == "liveobjects"
+    assert resource["shortNames"] == ["lgo"]
+    assert "categories" not in resource
