@@ -78,7 +78,7 @@ class Intake:
                 self.ledger.upsert_claim(parse_claim(c), now)
         for p in filter(mine, pods["items"]):
             pod = self.parse_pod(p)
-            self.ledger.liveness.observe_container(pod.key, pod.uid, pod.agent_container)
+            self.ledger.liveness.observe_container(pod.key, pod.uid, pod.agent_container, now)
             self.ledger.upsert_pod(pod)
         for o in filter(mine, objects["items"]):
             self.ledger.upsert_object(parse_object(o), now)
@@ -152,7 +152,7 @@ class Intake:
         if event_type == "DELETED":
             self.ledger.liveness.forget(info.key)
             self.prober.forget(info.key)
-        elif self.ledger.liveness.observe_container(info.key, info.uid, info.agent_container):
+        elif self.ledger.liveness.observe_container(info.key, info.uid, info.agent_container, time.monotonic()):
             # The kubelet reports a restart: the ended run's records go by its times (liveness.py); for
             # the rest, ask the agent now which process lives instead of at the next backstop probe.
             self.prober.probe_soon(info.key)

@@ -391,6 +391,13 @@ class Ledger:
             # Made while a container run lived that has ended: its process (named, or the one alive then
             # for a share that named only the pod) went with it, whether or not a probe ever reached it.
             return f"holder {_ended_message(claim.holder_incarnation, claim.holder_pod, run)}"
+        learned_at = self.learned_at.get(claim.uid, float("inf"))
+        if not claim.holder_incarnation and (
+            why := self.liveness.run_replaced((claim.namespace, claim.holder_pod), uid, learned_at, claim.created)
+        ):
+            # A share that named only the pod belongs to the container run current when it was made: a
+            # restart the pod watch reports ends it, even if that run's process never answered a probe.
+            return f"holder {why}; shared by {claim.shared_by} without naming a process, so it was that run's"
         incarnation = self.holder_incarnation(claim)
         if not incarnation:
             return None
@@ -398,7 +405,7 @@ class Ledger:
             (claim.namespace, claim.holder_pod),
             uid,
             incarnation,
-            self.learned_at.get(claim.uid, float("inf")),
+            learned_at,
         )
         if why and not claim.holder_incarnation:
             why += f"; shared by {claim.shared_by} without naming a process, so it was that pod's process then"

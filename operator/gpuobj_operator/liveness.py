@@ -21,11 +21,21 @@ learned of the record, since that record's process then certainly came first. A 
 times out (a stopped or overloaded process) proves nothing and only backs off.
 
 A claim made by ``share()`` without the receiver's incarnation names only the receiver pod. It is
-scoped to the receiver process that was alive when it was made: the first incarnation that a probe
-started after the operator learned of the claim found answering (``scoped_incarnation``). That
-process was alive after the claim existed, so a live receiver that simply has not adopted its
-reference yet keeps it; if the process that really was meant is an older one (it died before the
-probe), the claim is scoped to its successor and waits, as before, for that one or the pod to go.
+scoped to the receiver process that was alive when it was made, found two ways, and dies with either:
+
+- its container run (``run_replaced``): the run the pod watch reported current when the operator
+  learned of the claim (or, for a claim learned before the pod's first report, the first run
+  reported), or a later run the claim was certainly made in (its creationTimestamp CLOCK_MARGIN after
+  that run's startedAt). Once the kubelet reports a later run (a new containerID or a higher
+  restartCount), or that run ended, the claim's process is gone, whether or not it ever answered a
+  probe: a receiver that restarts in its first seconds does not pass its shares to the next process.
+  The one guess: a claim made in the first seconds of a new run whose report the operator had not
+  seen yet is taken as the earlier run's (the pod's times cannot tell them apart);
+- its incarnation (``scoped_incarnation``): the first incarnation that a probe started after the
+  operator learned of the claim found answering. That process was alive after the claim existed, so
+  a live receiver that simply has not adopted its reference yet keeps it; without container
+  statuses, if the process that really was meant is an older one (it died before the probe), the
+  claim is scoped to its successor and waits for that one or the pod to go.
 """
 
 from __future__ import annotations
@@ -56,14 +66,39 @@ CLOCK_MARGIN = 2.0
 CONFIRM_DELAY = 0.1  # seconds between a refused probe and the one that confirms it
 
 
+@dataclass(frozen=True)
+class SeenRun:
+    """One run of a pod's agent container, in the order the pod watch reported them."""
+
+    container_id: str | None  # None until the kubelet names it
+    restart_count: int
+    started: dt.datetime | None  # state.running.startedAt (the node's clock), when reported
+    first_seen: float  # when the operator first saw it current (monotonic seconds)
+
+
 @dataclass
 class ContainerRuns:
-    """The runs of one pod's agent container that the kubelet reported ended, by container id."""
+    """The runs of one pod's agent container: the ones the kubelet reported ended, by container id, and
+    every run reported current, oldest first (the last HISTORY), to scope shares to (run_replaced)."""
 
     pod_uid: str
     current: str | None = None  # the container id of the run the kubelet reports now
     restart_count: int = 0
     ended: dict[str, ContainerRun] = field(default_factory=dict)
+    seen: list[SeenRun] = field(default_factory=list)
+
+    def note_current(self, container: AgentContainer, now: float) -> None:
+        """A new run is a higher restartCount or another containerID; a run that gets its id or its
+        start time later (ContainerCreating, then running) stays the same run."""
+        run, count = container.current, container.restart_count
+        cid, started = (run.container_id, run.started) if run else (None, None)
+        last = self.seen[-1] if self.seen else None
+        if last is None or count > last.restart_count or (cid and last.container_id and cid != last.container_id):
+            self.seen.append(SeenRun(cid, count, started, now))
+            del self.seen[:-HISTORY]
+        elif (cid and not last.container_id) or (started and not last.started):
+            named = SeenRun(last.container_id or cid, last.restart_count, last.started or started, last.first_seen)
+            self.seen[-1] = named
 
 
 @dataclass
@@ -73,14 +108,16 @@ class Liveness:
     containers: dict[Key, ContainerRuns] = field(default_factory=dict)
     clock_margin: float = CLOCK_MARGIN
 
-    def observe_container(self, pod: Key, pod_uid: str, container: AgentContainer | None) -> bool:
-        """The pod watch's news of the agent's container. Returns whether a run ended or a new one began
-        that was not known (a restart): the caller probes at once and re-decides the pod's records."""
+    def observe_container(self, pod: Key, pod_uid: str, container: AgentContainer | None, now: float) -> bool:
+        """The pod watch's news of the agent's container (``now``: monotonic seconds). Returns whether a run
+        ended or a new one began that was not known (a restart): the caller probes at once and re-decides
+        the pod's records."""
         if container is None:
             return False
         runs = self.containers.get(pod)
         if runs is None or runs.pod_uid != pod_uid:
             runs = self.containers[pod] = ContainerRuns(pod_uid)
+        runs.note_current(container, now)
         changed = False
         for run in (container.last, container.current):
             if run is not None and run.finished is not None and run.container_id not in runs.ended:
@@ -104,6 +141,37 @@ class Liveness:
         for run in runs.ended.values():
             if run.started and run.finished and run.started + margin <= created <= run.finished - margin:
                 return run
+        return None
+
+    def run_replaced(self, pod: Key, pod_uid: str | None, learned_at: float, created: dt.datetime | None) -> str | None:
+        """Why the container run a record naming only this pod belongs to is over (a message), or None.
+
+        Its run: the last one reported current by ``learned_at`` (when the operator first saw the record),
+        else the first one reported; or a later one that started CLOCK_MARGIN before ``created``. It is
+        over once the kubelet reports a run after it, or reports it ended. Decided from the pod watch's
+        history, so it does not change when it is asked again later.
+        """
+        runs = self.containers.get(pod)
+        if runs is None or not runs.seen or (pod_uid and runs.pod_uid != pod_uid):
+            return None
+        margin = dt.timedelta(seconds=self.clock_margin)
+        bound = 0
+        for i, run in enumerate(runs.seen):
+            if run.first_seen <= learned_at or (created and run.started and run.started + margin <= created):
+                bound = i
+        run = runs.seen[bound]
+        if bound + 1 < len(runs.seen):
+            after = runs.seen[bound + 1]
+            return (
+                f"the agent process of pod {pod[1]} ran in container {_short(run)}, which the kubelet "
+                f"reports restarted as {_short(after)} (restart {after.restart_count})"
+            )
+        ended = runs.ended.get(run.container_id) if run.container_id else None
+        if ended is not None:
+            return (
+                f"the agent process of pod {pod[1]} ran in container {_short(run)}, which the kubelet "
+                f"reports ended{f' at {ended.finished:%H:%M:%S}' if ended.finished else ''}"
+            )
         return None
 
     def _state(self, pod: Key, pod_uid: str) -> AgentState:
@@ -203,3 +271,7 @@ class Liveness:
         if state.gone:
             return min(slowest, interval * 2)
         return interval
+
+
+def _short(run: SeenRun) -> str:
+    return run.container_id[-12:] if run.container_id else f"#{run.restart_count}"

@@ -6,16 +6,19 @@ it into their own copy of the architecture (initialised with another seed, so ev
 came over NIXL), run a forward pass on a fixed input and report a checksum of their logits, which
 must equal the trainer's bit for bit. The pattern is docs/weight-sync.md: one GPUObject per
 version, a claim per rollout, the trainer's own reference dropped once the next version is out,
-each rollout releasing the version before once it holds the new one.
+each rollout releasing the version before once it holds the new one. Each side also times its part
+(the trainer's put, each rollout's fetch) and offers a raw NIXL READ of the same bytes, the floor the
+demo prints each version's time against.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
-from gpuobj_dev import models
+from gpuobj_dev import models, raw_nixl
 
 
 def logits_checksum(model: Any) -> int:
@@ -32,6 +35,7 @@ class Trainer:
         self.client = client
         self.model = models.build(size, seed=0)
         self.current: Any = None
+        self.raw: raw_nixl.RawSource | None = None
 
     def publish(self, version: int, rollouts: list[str]) -> dict:
         """Step, put the state dict (one object), share it with each rollout, drop our previous version."""
@@ -39,7 +43,9 @@ class Trainer:
 
         models.step(self.model, version)
         sd = self.model.state_dict()
+        started = time.perf_counter()
         ref = self.client.put(sd, name=f"policy-v{version}", labels={"app": "gpuobj-demo"})
+        put_s = time.perf_counter() - started
         shares = {name: self.client.share(ref, name) for name in rollouts}
         self.client.flush()  # recorded now, so `kubectl get gpuobj` shows it (write-behind elides brief objects)
         old, self.current = self.current, ref
@@ -51,12 +57,26 @@ class Trainer:
             "bytes": plan(sd).nbytes,
             "tensors": len(sd),
             "pack": self.client.pack_stats(),
+            "put_s": put_s,
         }
+
+    def raw_offer(self) -> tuple[bytes, Any]:
+        """A raw NIXL source of as many bytes as one version (the floor's READ), until `finish`."""
+        from gpuobj.client.state_dicts import plan
+
+        self.raw = raw_nixl.RawSource(plan(self.model.state_dict()).nbytes, name="demo-raw-src")
+        return self.raw.offer()
+
+    def raw_close(self) -> None:
+        if self.raw is not None:
+            self.raw.close()
+            self.raw = None
 
     def finish(self) -> None:
         if self.current is not None:
             self.current.release()
             self.current = None
+        self.raw_close()
         self.client.flush()
 
 
@@ -68,14 +88,24 @@ class Rollout:
         self.model = models.build(size, seed=1)  # other weights: what it computes with must come from the trainer
         self.held: Any = None
 
-    def take(self, shared: Any) -> int:
-        """Adopt the claim on the new version, fetch it, load it, release the version before; the logits."""
+    def take(self, shared: Any) -> dict:
+        """Adopt the claim on the new version, fetch it, load it, release the version before.
+
+        Returns the logits' checksum and the fetch's seconds (NIXL READ included, the load excluded).
+        """
         handle = self.client.adopt(shared)
-        self.model.load_state_dict(self.client.fetch(handle))
+        started = time.perf_counter()
+        sd = self.client.fetch(handle)
+        fetch_s = time.perf_counter() - started
+        self.model.load_state_dict(sd)
         old, self.held = self.held, handle
         if old is not None:
             old.release()
-        return logits_checksum(self.model)
+        return {"logits": logits_checksum(self.model), "fetch_s": fetch_s}
+
+    def raw_read(self, offer: tuple[bytes, Any], reads: int = 3) -> list[float]:
+        """Seconds of `reads` raw NIXL READs of the trainer's raw source (the floor's read)."""
+        return raw_nixl.read_seconds(*offer, reads=reads)
 
     def finish(self) -> None:
         if self.held is not None:

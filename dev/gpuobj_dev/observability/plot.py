@@ -7,6 +7,7 @@ object API with the Agg canvas: no display, no pyplot global state.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -25,6 +26,9 @@ SERIES: tuple[tuple[str, str, str], ...] = (
     ("leaked (operator audit)", f"sum({q.LEAKED_BY_POD})", "tab:red"),
 )
 
+# Alternating shades of the phase spans: warm greys no line, grid or text of the plot uses.
+PHASE_COLOURS = ("#f5f2e6", "#e6e0c8")
+
 
 class RangeQuerier(Protocol):
     """What the plot needs from Prometheus (gpuobj_dev.testing.prometheus.Prometheus fits)."""
@@ -39,12 +43,24 @@ def plot_bytes(
     path: Path | str,
     step: float | None = None,
     title: str = "gpuobj: bytes held by agents",
+    phases: Sequence[tuple[str, float, float]] = (),
 ) -> Path:
-    """Range-query SERIES over [start, end] (unix seconds) and write a PNG to ``path``; returns the path."""
+    """Range-query SERIES over [start, end] (unix seconds) and write a PNG to ``path``; returns the path.
+
+    ``phases``: (label, start, end) spans shaded and labelled under the lines, so a reader sees which
+    step of a run each rise and fall of the bytes belongs to.
+    """
     step = step or max(1.0, (end - start) / 500)
     fig = Figure(figsize=(9, 4.5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
+    for i, (label, phase_start, phase_end) in enumerate(phases):
+        left, right = phase_start - start, phase_end - start
+        ax.axvspan(left, right, color=PHASE_COLOURS[i % 2], zorder=0, linewidth=0)
+        ax.text(
+            (left + right) / 2, 0.98, label, transform=ax.get_xaxis_transform(),
+            ha="center", va="top", fontsize=8, color="0.3", rotation=90 if right - left < (end - start) / 12 else 0,
+        )  # fmt: skip
     plotted = 0
     for label, expr, colour in SERIES:
         for series in prom.query_range(expr, start, end, step):
@@ -70,8 +86,8 @@ def plot_bytes(
     ax.set_xlim(0, max(end - start, step))
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
-    if plotted:
-        ax.legend(loc="upper right")
+    if plotted:  # under the axes: the phase labels run along the top
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=len(SERIES), frameon=False)
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

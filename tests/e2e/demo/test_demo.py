@@ -69,6 +69,11 @@ def test_quick_demo_runs_end_to_end_and_leaves_nothing_behind(tmp_path: Path) ->
     assert r["weight_sync_ok"]  # each rollout's logits equal the trainer's, bit for bit, every step
     assert r["leaked_bytes_peak"] > 0 and r["leaked_bytes_end"] == 0  # the planted leak was seen, then reclaimed
     assert r["frees"] > 0 and r["bytes_moved"] > 0
+    # Every pod is scraped, the weight-sync pods included: their fetches count in the bytes moved
+    # (2 rollouts x 5 versions of the model at least), and each version is timed against its floor.
+    assert r["bytes_moved_weight_sync"] >= 10 * r["weight_sync_versions"][0]["bytes"] > 0
+    assert len(r["weight_sync_versions"]) == 5 and r["weight_sync_raw_read_s"] > 0
+    assert all(v["floor_ratio"] > 0 for v in r["weight_sync_versions"])  # a figure, never a timed assertion
     empty = [name for name, has_data in r["panels"].items() if not has_data]
     assert empty == [], f"dashboard panel queries without data: {empty}"
     assert Path(r["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -6,11 +6,12 @@ import struct
 import time
 from pathlib import Path
 
+from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 from prometheus_client import CollectorRegistry, Gauge
 
 from gpuobj_contract import metric_names as m
-from gpuobj_dev.observability.plot import MIB, SERIES, plot_bytes
+from gpuobj_dev.observability.plot import MIB, PHASE_COLOURS, SERIES, plot_bytes
 from gpuobj_dev.testing.prometheus import Prometheus, sample_value
 from tests.e2e.observability.conftest import Exporter
 
@@ -57,3 +58,24 @@ def test_plot_bytes_without_data_still_writes_a_png(tmp_path: Path) -> None:
         now = time.time()
         out = plot_bytes(prom, now - 30, now, tmp_path / "empty.png")
     assert png_size(out) == (900, 450)
+
+
+def test_plot_bytes_shades_and_labels_the_phases(tmp_path: Path) -> None:
+    """A run's steps (the demo's phases) appear as grey spans under the lines; none without phases."""
+    with Prometheus({}) as prom:
+        now = time.time()
+        plain = plot_bytes(prom, now - 30, now, tmp_path / "plain.png")
+        phased = plot_bytes(
+            prom,
+            now - 30,
+            now,
+            tmp_path / "phased.png",
+            phases=[("put", now - 25, now - 15), ("freed", now - 15, now - 5)],
+        )
+
+    def shaded(path: Path) -> int:
+        rgb = imread(path)[..., :3]
+        return sum(int((abs(rgb - to_rgb(c)) < 0.003).all(axis=-1).sum()) for c in PHASE_COLOURS)
+
+    assert shaded(plain) == 0
+    assert shaded(phased) > 10_000  # two spans of a third of the axes each

@@ -134,6 +134,42 @@ def test_a_restart_the_kubelet_reports_drops_the_old_process_claim_without_waiti
     assert_api_empty(gpuobj_cluster, namespace)
 
 
+def test_a_share_to_a_receiver_whose_process_died_unprobed_ends_with_the_restart_the_kubelet_reports(
+    gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
+) -> None:
+    """Issue 32: the receiver's process dies in its first seconds, so no probe after the share reaches it,
+    and the next process is the first to answer one. The restart the pod watch reports (a new containerID
+    and restartCount, no times) ends the share: it belonged to the run current when it was made. Before,
+    it passed to the next process and held the bytes until the pod went (this test timed out so)."""
+    src, reader = pods.workload("src"), pods.workload("reader")
+    _report(
+        gpuobj_cluster,
+        namespace,
+        "reader",
+        {"restartCount": 0, "containerID": "containerd://one", "state": {"running": {}}},
+    )
+    reader.kill()  # dies before the kubelet says so
+    src.run("ref = client.put([torch.ones(1 << 12)], name='kv'); client.flush()")
+    src.run("client.share(ref, 'reader'); client.flush(); ref.release(); client.flush()")
+    [claim] = user_claims(kube(gpuobj_cluster, lambda k: k.list(CLAIMS, namespace))["items"])
+    assert claim["spec"]["holder"] == {"podName": "reader"}
+    wait_object(gpuobj_cluster, namespace, "kv", lambda o: state(o) == "Releasing")  # the operator knows it
+
+    pods.restart_process("reader")  # same pod and address, a new process that answers the probes
+    _report(
+        gpuobj_cluster,
+        namespace,
+        "reader",
+        {"restartCount": 1, "containerID": "containerd://two", "state": {"running": {}}},
+    )
+    wait_object(gpuobj_cluster, namespace, "kv", lambda o: o is None, timeout=30)
+    [event] = _events(gpuobj_cluster, namespace, "HolderGone")
+    assert event["involvedObject"]["name"] == claim["metadata"]["name"] and "one" in event["message"]
+    operator.wait_metric("gpuobj_claims_dropped_total", {"holder": "process"}, 1)
+    agent_http.assert_holds_nothing(pods.endpoint("src"), token_file)
+    assert_api_empty(gpuobj_cluster, namespace)
+
+
 async def _create_silent_pod(cluster: ClusterHandle, namespace: str, name: str) -> None:
     """An agent pod at an address where nothing listens yet (its process is still starting)."""
     async with cluster.client() as k:

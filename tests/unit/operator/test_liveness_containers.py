@@ -73,21 +73,21 @@ def test_the_agents_container_status_is_read_from_the_container_that_serves_the_
 def test_a_restart_is_news_once_and_a_first_sight_is_not() -> None:
     live = Liveness()
     first = AgentContainer("workload", 0, ContainerRun("c1", at(0)))
-    assert live.observe_container(READER, "u", first) is False  # a pod seen for the first time restarted nothing
-    assert live.observe_container(READER, "u", first) is False
+    assert live.observe_container(READER, "u", first, 1.0) is False  # a pod seen for the first time restarted nothing
+    assert live.observe_container(READER, "u", first, 1.0) is False
     restarted = AgentContainer("workload", 1, ContainerRun("c2", at(9)), ContainerRun("c1", at(0), at(9)))
-    assert live.observe_container(READER, "u", restarted) is True
-    assert live.observe_container(READER, "u", restarted) is False
+    assert live.observe_container(READER, "u", restarted, 2.0) is True
+    assert live.observe_container(READER, "u", restarted, 2.0) is False
     # What a simulated kubelet may do: restartCount+1 and a new containerID, no times. News, but no run to judge by.
     bare = AgentContainer("workload", 2, ContainerRun("c3"))
-    assert live.observe_container(READER, "u", bare) is True
+    assert live.observe_container(READER, "u", bare, 3.0) is True
     assert live.ended_run(READER, "u", at(20)) is None
 
 
 def test_only_records_well_inside_an_ended_run_belong_to_it() -> None:
     live = Liveness()
     live.observe_container(
-        READER, "u", AgentContainer("workload", 1, ContainerRun("c2", at(9)), ContainerRun("c1", at(0), at(9)))
+        READER, "u", AgentContainer("workload", 1, ContainerRun("c2", at(9)), ContainerRun("c1", at(0), at(9))), 1.0
     )
     assert live.ended_run(READER, "u", at(4)) == ContainerRun("c1", at(0), at(9))
     for edge in (at(1), at(8), at(9), at(12)):  # within the clock margin of an edge, or after the run
@@ -103,16 +103,23 @@ def test_a_share_to_a_receiver_that_restarts_before_it_ever_listens_is_dropped_a
     shared = claim("to-reader", "w", holder_pod="reader", shared_by="src", created=at(4))
     ledger = synced_ledger(pod(), reader, obj("w", deleting=True), shared)
     assert DeleteClaim not in kinds(decide_claim(ledger, shared.key, NOW))  # nothing is known against it yet
-    ledger.liveness.observe_container(READER, "pod-uid-r", AgentContainer("workload", 0, ContainerRun("c1", at(0))))
+    ledger.liveness.observe_container(
+        READER, "pod-uid-r", AgentContainer("workload", 0, ContainerRun("c1", at(0))), 1.0
+    )
     assert DeleteClaim not in kinds(decide_claim(ledger, shared.key, NOW))
     ledger.liveness.observe_container(
-        READER, "pod-uid-r", AgentContainer("workload", 1, ContainerRun("c2", at(9)), ContainerRun("c1", at(0), at(9)))
+        READER,
+        "pod-uid-r",
+        AgentContainer("workload", 1, ContainerRun("c2", at(9)), ContainerRun("c1", at(0), at(9))),
+        2.0,
     )
     ledger.liveness.observe_alive(READER, "pod-uid-r", "r-2", probe_started=100.0)  # the next process answers
+    # Ended with its run: the free is decided at once, and the claim is deleted after it (issue 30).
+    assert kinds(decide_object(ledger, (NS, "w"), NOW)) == [Free]
+    assert decide_claim(ledger, shared.key, NOW) == []
+    ledger.remove_object(ledger.objects[(NS, "w")])
     actions = decide_claim(ledger, shared.key, NOW)
     assert kinds(actions) == [DeleteClaim] and "c1" in actions[0].reason
-    ledger.remove_claim(shared, now=1.0)
-    assert kinds(decide_object(ledger, (NS, "w"), NOW)) == [Free]
 
 
 def test_a_share_made_after_the_restart_stays_with_the_new_process() -> None:
@@ -120,7 +127,10 @@ def test_a_share_made_after_the_restart_stays_with_the_new_process() -> None:
     shared = claim("to-reader", "w", holder_pod="reader", shared_by="src", created=at(10))
     ledger = synced_ledger(pod(), reader, obj("w", deleting=True), shared)
     ledger.liveness.observe_container(
-        READER, "pod-uid-r", AgentContainer("workload", 1, ContainerRun("c2", at(9)), ContainerRun("c1", at(0), at(9)))
+        READER,
+        "pod-uid-r",
+        AgentContainer("workload", 1, ContainerRun("c2", at(9)), ContainerRun("c1", at(0), at(9))),
+        2.0,
     )
     assert not any(isinstance(a, DeleteClaim) for a in decide_claim(ledger, shared.key, NOW))
     assert Free not in kinds(decide_object(ledger, (NS, "w"), NOW))
@@ -135,6 +145,70 @@ def test_an_object_put_by_a_process_of_an_ended_run_is_lost_without_a_probe() ->
         (NS, "src"),
         "pod-uid-1",
         AgentContainer("workload", 1, ContainerRun("c2", at(9)), ContainerRun("c1", at(0), at(9))),
+        1.0,
     )
     verdict = ledger.source_verdict(put)
     assert not verdict.available and verdict.reason == "SourceAgentRestarted"
+
+
+def _run(restarts: int, container_id: str | None, started: float | None = None) -> AgentContainer:
+    """The agent's container as the kubelet reports it; no container id: not created yet (no run)."""
+    run = ContainerRun(container_id, at(started) if started is not None else None) if container_id else None
+    return AgentContainer("workload", restarts, run)
+
+
+def test_a_share_whose_receiver_restarts_in_its_first_seconds_ends_with_the_restart_though_it_never_answered() -> None:
+    """Issue 32: the receiver's run c1 was current when the operator learned of the share, its process died
+    before any probe after that reached it, and the next process answered first. The pod watch's restart
+    (a new containerID and restartCount, no times: what a simulated kubelet writes) ends the share; before,
+    it was scoped to the next process and held the bytes until the pod went (it failed so)."""
+    reader = pod("reader", uid="pod-uid-r", endpoint="10.0.0.6:8471")
+    shared = claim("to-reader", "w", holder_pod="reader", shared_by="src", created=at(4))
+    ledger = synced_ledger(pod(), reader, obj("w", deleting=True), shared)  # the share is learned at 0.0
+    live = ledger.liveness
+    live.observe_container(READER, "pod-uid-r", _run(0, "containerd://c1"), now=-2.0)
+    live.observe_alive(READER, "pod-uid-r", "r-1", probe_started=-1.0)  # before the share: scopes nothing
+    assert live.observe_refused(READER, "pod-uid-r", probe_started=0.5) is False
+    assert live.observe_refused(READER, "pod-uid-r", probe_started=0.6) is True  # r-1 gone
+    assert ledger.holder_process_gone(shared) is None  # r-1 was never asked after the share
+    assert live.observe_container(READER, "pod-uid-r", _run(1, "containerd://c2"), now=1.0) is True
+    live.observe_alive(READER, "pod-uid-r", "r-2", probe_started=1.5)  # the next process answers first
+    why = ledger.holder_process_gone(shared) or ""
+    assert "c1" in why and "c2" in why  # its process went with run c1, though it never answered
+    ledger.remove_claim(shared, now=2.0)
+    assert kinds(decide_object(ledger, (NS, "w"), NOW)) == [Free]
+
+
+def test_a_share_belongs_to_the_run_current_when_it_was_learned_and_stays_while_that_run_lives() -> None:
+    live = Liveness()
+    live.observe_container(READER, "u", _run(0, None), now=0.0)  # ContainerCreating: no id yet
+    live.observe_container(READER, "u", _run(0, "c1"), now=1.0)  # the same run, named
+    live.observe_container(READER, "u", _run(0, "c1", started=3), now=1.5)  # the same run, timed
+    assert [r.container_id for r in live.containers[READER].seen] == ["c1"]
+    for learned in (0.5, 2.0, float("-inf")):  # before the first report: the first run reported
+        assert live.run_replaced(READER, "u", learned, at(5)) is None
+    live.observe_container(READER, "u", _run(1, "c2", started=20), now=30.0)
+    assert "c1" in (live.run_replaced(READER, "u", 2.0, at(5)) or "")
+    assert live.run_replaced(READER, "u", 31.0, at(5)) is None  # learned after the restart: c2's
+    assert live.run_replaced(READER, "u", 2.0, None) is not None
+    assert live.run_replaced(READER, "other-uid", 2.0, at(5)) is None  # a new pod of that name is not that pod
+    assert live.run_replaced(READER, "u", float("inf"), at(5)) is None  # a record the ledger does not know
+
+
+def test_a_share_made_well_after_a_restart_the_operator_had_not_seen_yet_stays_with_the_new_run() -> None:
+    """The pod watch lags: the share was learned while c1 was the last run reported, but it was created
+    CLOCK_MARGIN after c2 started, so it belongs to c2 (no wrong drop); one made in c2's first two
+    seconds cannot be told from c1's and goes with c1."""
+    live = Liveness()
+    live.observe_container(READER, "u", _run(0, "c1", started=0), now=0.0)
+    live.observe_container(READER, "u", _run(1, "c2", started=10), now=20.0)
+    assert live.run_replaced(READER, "u", 15.0, at(12)) is None
+    assert live.run_replaced(READER, "u", 15.0, at(11)) is not None
+
+
+def test_a_share_whose_run_the_kubelet_reports_ended_goes_before_the_restart() -> None:
+    live = Liveness()
+    live.observe_container(READER, "u", _run(0, "c1", started=0), now=0.0)
+    ended = AgentContainer("workload", 0, ContainerRun("c1", at(0), at(2)))  # state.terminated (back-off)
+    assert live.observe_container(READER, "u", ended, now=3.0) is True
+    assert "ended" in (live.run_replaced(READER, "u", 1.0, at(1)) or "")
