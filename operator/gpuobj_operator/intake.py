@@ -137,6 +137,7 @@ class Intake:
         if event_type == "DELETED":
             key, uid = _identity(raw)
             current = self.ledger.streams.get(key)
+            self.expected.stream_gone(key)
             if current is not None and current.uid == uid:
                 self.enqueue(self.ledger.remove_stream(current))
             return

@@ -44,7 +44,8 @@ class Prober:
         self._probe_wake: asyncio.Event | None = None
 
     def forget(self, pod: Key) -> None:
-        """The pod is gone: nothing to probe."""
+        """The pod is gone: nothing to probe. A probe of it still in flight finds its start gone and
+        drops its answer (probe), so nothing of the pod is made again here or in the liveness."""
         self._probe_due.pop(pod, None)
         self._probe_asked.pop(pod, None)
         self._probe_started.pop(pod, None)
@@ -90,30 +91,36 @@ class Prober:
         if self._probe_wake is not None:
             self._probe_wake.set()
 
+    def _forgotten(self, pod: PodInfo, started: float) -> bool:
+        """Whether the pod this probe asked about was forgotten (deleted) while it ran: its answer is then
+        about nothing the operator holds, and must not make the pod's liveness or schedule again."""
+        current = self.ledger.pods.get(pod.key)
+        return (
+            self._probe_started.get(pod.key) != started or current is None or current.uid != pod.uid or current.deleted
+        )
+
     async def probe(self, pod: PodInfo) -> None:
         started = self._probe_started[pod.key] = time.monotonic()
         liveness = self.ledger.liveness
+        failure: AgentError | AgentUnreachable | None = None
         try:
             info = await self.agents.info(pod.endpoint, pod_uid=pod.uid, timeout=self.settings.probe_timeout)  # type: ignore[arg-type]
-        except AgentGone:
+        except (AgentError, AgentUnreachable) as exc:
+            failure = exc
+        if self._forgotten(pod, started):
+            return
+        if isinstance(failure, AgentGone) or (isinstance(failure, AgentError) and failure.status == 409):
+            # Nothing listens, or the agent there serves another pod: ours is not listening.
             changed = liveness.observe_refused(pod.key, pod.uid, started)
-        except AgentError as exc:
-            if exc.status == 409:  # the agent there serves another pod: ours is not listening
-                changed = liveness.observe_refused(pod.key, pod.uid, started)
-            else:  # refused our token, or failed: proves nothing about the process
-                liveness.observe_unreachable(pod.key, pod.uid)
-                log.debug("probe of %s/%s proved nothing: %s", *pod.key, exc)
-                changed = False
-        except AgentUnreachable as exc:
+        elif failure is not None:  # a timeout, our token refused, an error: proves nothing about the process
             liveness.observe_unreachable(pod.key, pod.uid)
-            log.debug("probe of %s/%s proved nothing: %s", *pod.key, exc)
+            log.debug("probe of %s/%s proved nothing: %s", *pod.key, failure)
             changed = False
+        elif info.pod_uid and info.pod_uid != pod.uid:
+            # Another pod's agent answers at this address: ours is not there.
+            changed = liveness.observe_refused(pod.key, pod.uid, started)
         else:
-            if info.pod_uid and info.pod_uid != pod.uid:
-                # Another pod's agent answers at this address: ours is not there.
-                changed = liveness.observe_refused(pod.key, pod.uid, started)
-            else:
-                changed = liveness.observe_alive(pod.key, pod.uid, info.incarnation, started)
+            changed = liveness.observe_alive(pod.key, pod.uid, info.incarnation, started)
         if changed:
             state = liveness.agents.get(pod.key)
             log.info(
