@@ -91,8 +91,8 @@ gpuobj-claims-progress
 The operator's rules on workload objects: derived from operator/gpuobj_operator (reconciler.py,
 free_path.py, events.py, main.py) and the informers of kube/gpuobj_kube/informer.py. Watches and lists
 (one informer per kind), reads, finalizer and ownerReference patches, status patches, deletes of
-objects and claims it settles, Events it posts. Nothing on Secrets, CRDs or namespaces: it watches only
-the kinds it names.
+objects and claims it settles, Events it posts (and patches: a repeat's count). Nothing on Secrets,
+CRDs or namespaces: it watches only the kinds it names.
 */}}
 {{- define "gpuobj.operator.rules" -}}
 - apiGroups: [gpuobj.io]
@@ -111,7 +111,7 @@ the kinds it names.
   verbs: [get, list, watch]
 - apiGroups: [""]
   resources: [events]
-  verbs: [create]
+  verbs: [create, patch]
 {{- end -}}
 
 {{/* What the client library (gpuobj/client) does from a workload pod. */}}
