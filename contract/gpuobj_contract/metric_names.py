@@ -22,6 +22,8 @@ CLAIMS_MARKER_WRITES = "gpuobj_claims_marker_writes_total"  # counter{result=wri
 LOST_OBJECTS = "gpuobj_lost_objects_total"  # counter
 AUDIT_RUNS = "gpuobj_audit_runs_total"  # counter{result}
 OPERATOR_LEADER = "gpuobj_operator_leader"  # gauge: 1 while this replica holds the leader lease
+# counter{resource,selection=shard|unlabelled|all}: events the API server sent its watches of objects and streams
+WATCH_EVENTS = "gpuobj_operator_watch_events_total"
 NAMESPACE_QUOTA_BYTES = "gpuobj_namespace_quota_bytes"  # gauge{namespace}: the byte quota a platform team set
 NAMESPACE_USED_BYTES = "gpuobj_namespace_used_bytes"  # gauge{namespace}: bytes of its admitted GPUObjects
 QUOTA_REFUSALS = "gpuobj_quota_refusals_total"  # counter{namespace}: GPUObjects refused over the quota

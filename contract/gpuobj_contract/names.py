@@ -27,6 +27,8 @@ LABEL_SOURCE_POD = f"{GROUP}/source-pod"
 LABEL_STREAM = f"{GROUP}/stream"
 LABEL_OBJECT = f"{GROUP}/object"  # on a claim: the GPUObject it references
 LABEL_AGENT = f"{GROUP}/agent"  # on a pod: "true" when it runs a gpuobj agent
+# On objects, claims and streams: the bucket of their namespace; operator shards select on it (shard_buckets.py).
+LABEL_SHARD_BUCKET = f"{GROUP}/shard-bucket"
 ANNOTATION_AGENT_PORT = f"{GROUP}/agent-port"
 ANNOTATION_AGENT_HOST = f"{GROUP}/agent-host"  # overrides status.podIP (dev cluster: no kubelet, no pod network)
 ANNOTATION_SHARED_BY = f"{GROUP}/shared-by"  # on a claim made for a receiver: the sharing (source) pod

@@ -38,6 +38,7 @@ from gpuobj_contract import agent_api as api
 from gpuobj_contract import agent_tls, names
 from gpuobj_contract import resources as crd
 from gpuobj_contract.layouts import MAX_TENSORS
+from gpuobj_contract.shard_buckets import bucket_labels
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, PODS, STREAMS, Conflict, KubeClient, NotFound
 from gpuobj_kube.config import KubeConfig
 
@@ -207,7 +208,7 @@ class ClientCore:
         meta: dict = {
             "name": name,
             "finalizers": [names.FINALIZER_FREE],
-            "labels": {names.LABEL_SOURCE_POD: self.pod_name, **(labels or {})},
+            "labels": {names.LABEL_SOURCE_POD: self.pod_name, **(labels or {}), **bucket_labels(self.namespace)},
             "annotations": {names.ANNOTATION_SOURCE_ENDPOINT: self.agent.endpoint},
         }
         item: crd.StreamItem | None = None
@@ -498,7 +499,7 @@ class ClientCore:
         return {
             "metadata": {
                 "name": f"{address.name[:200]}-{holder_pod[:40]}-{_short_id()[:6]}",
-                "labels": {names.LABEL_OBJECT: address.name[:63]},
+                "labels": {names.LABEL_OBJECT: address.name[:63], **bucket_labels(address.namespace)},
                 "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": holder_pod, "uid": holder_uid}],
                 # On a receiver's behalf: say who shares, so admission can check it is us (docs/security.md).
                 **({"annotations": {names.ANNOTATION_SHARED_BY: self.pod_name}} if holder_pod != self.pod_name else {}),
@@ -736,6 +737,7 @@ class ClientCore:
             "metadata": {
                 "name": name,
                 "finalizers": [names.FINALIZER_FREE],
+                "labels": bucket_labels(self.namespace),
                 # If the producer pod goes, so does the stream (and every item with it).
                 "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": self.pod_name, "uid": self.pod_uid}],
             },

@@ -104,6 +104,12 @@ class Informer:
             self._known[_key(obj)] = self.identity(obj)
         self._resume_at = resource_version
 
+    def knows(self, obj: JSON) -> bool:
+        """Whether this informer's last word on ``obj`` (same name, same uid) is that it exists: an object
+        seen here is alive even while another watch, whose selection it just left, reports it DELETED."""
+        known = self._known.get(_key(obj))
+        return known is not None and known["metadata"].get("uid") == obj["metadata"].get("uid")
+
     @property
     def task(self) -> asyncio.Task[None] | None:
         """Done only when the informer failed (InformerFailed) or was stopped."""

@@ -41,6 +41,7 @@ from gpuobj_operator.metrics import OperatorMetrics
 from gpuobj_operator.progress_marker import MarkerMisconfigured, ProgressMarker, marker_namespace, marker_writer
 from gpuobj_operator.quota import QuotaLimits, parse_bytes, parse_namespace_quota
 from gpuobj_operator.reconciler import LABEL_AGENT_SELECTOR, Reconciler
+from gpuobj_operator.selection import Selection
 from gpuobj_operator.settings import Settings
 from gpuobj_operator.shards import Shard
 from gpuobj_operator.signer import Signer
@@ -405,11 +406,20 @@ async def lead(
     # deletion is in the ledger (claimcheck.py).
     watermark = Watermark()
     watch = {"namespace": args.namespace, "backoff": WATCH_BACKOFF, "give_up_after": WATCH_GIVE_UP_SECONDS}
+    # GPUObjects and streams: a shard of several is sent only its buckets' (selection.py); claims and agent
+    # pods are watched whole and filtered here (claims: one watch keeps the claims watermark sound).
+    shard = reconciler.settings.shard
+
+    def counter(plural: str) -> Callable[[str], Callable[[], None]]:
+        return lambda selection: metrics.watch_events.labels(plural, selection).inc
+
+    selected = [
+        Selection(kube, res, handler, shard, counted=counter(res.plural), **watch)
+        for res, handler in ((STREAMS, reconciler.on_stream), (GPUOBJECTS, reconciler.on_object))
+    ]
     informers = [
-        Informer(kube, STREAMS, reconciler.on_stream, **watch),
         Informer(kube, CLAIMS, reconciler.on_claim, on_progress=watermark.observe, **watch),
         Informer(kube, PODS, reconciler.on_pod, label_selector=LABEL_AGENT_SELECTOR, **watch),
-        Informer(kube, GPUOBJECTS, reconciler.on_object, **watch),
     ]
     reconciler.free_path.claims_watermark = watermark
     marker_at = progress_marker_namespace(args)
@@ -440,6 +450,10 @@ async def lead(
             version, identities = reconciler.intake.listed[informer.resource.plural]
             informer.seed(identities, version)
             informer.start()
+        for selection in selected:
+            selection.seed(*reconciler.intake.listed[selection.resource.plural])
+            selection.start()
+        informers += [i for s in selected for i in s.informers]
         reconciler.start()
         health.state = "leading"
         print("gpuobj operator: synced and reconciling", flush=True)
@@ -462,6 +476,7 @@ async def lead(
         hold.cancel()
         stuck = [] if await wind_down(hold, WIND_DOWN_SECONDS) else ["lease renewal"]
         steps = [("workers", reconciler.stop)] + [(f"{i.resource.plural} watch", i.stop) for i in informers]
+        steps += [(f"{s.resource.plural} selection", s.stop) for s in selected]
         for name, step in steps:
             if not await run_within(step(), WIND_DOWN_SECONDS):
                 stuck.append(name)

@@ -151,6 +151,12 @@ class OperatorMetrics:
         )
         self.audits = Counter(m.AUDIT_RUNS.removesuffix("_total"), "Agent inventory audits", ["result"], registry=r)
         self.leader = Gauge(m.OPERATOR_LEADER, "1 while this replica holds the leader lease", registry=r)
+        self.watch_events = Counter(
+            m.WATCH_EVENTS.removesuffix("_total"),
+            "Events the API server sent the GPUObject and stream watches: a shard's selection is what it is sent",
+            ["resource", "selection"],
+            registry=r,
+        )
         self._leak_series: set[tuple[str, str]] = set()
         self._namespaces: set[str] = set()
         # Known label values start at 0, so rate() and increase() see their first step.
