@@ -6,7 +6,10 @@ functions read it and return actions (actions.py), statuses come from the builde
 
 Rules (docs/design.md, "Lifecycle rules"):
 - An object's references are its live claims, plus the owner's own reference
-  until the GPUObject is deleted.
+  until the GPUObject is deleted. A claim whose holder pod was deleted, or whose
+  holder process is known gone, is not live from that moment (Ledger.claim_ended):
+  the free is decided then, and the claim's deletion follows (the garbage
+  collector's, or the operator's after the free), never the other way round.
 - Out of scope (deleted and no live claim) -> free on the source, then drop the
   finalizer. Never before every kind of state has been listed once (``synced``).
 - A source pod that is gone, terminated or replaced (new UID) makes its objects
@@ -42,7 +45,7 @@ from gpuobj_operator.actions import (
     SetClaimOwner,
 )
 from gpuobj_operator.ledger import Ledger, SourceVerdict, StreamTally, is_lost
-from gpuobj_operator.model import ClaimInfo, Key, ObjectInfo
+from gpuobj_operator.model import ClaimInfo, Key, ObjectInfo, PodInfo
 from gpuobj_operator.quota import REASON as QUOTA_EXCEEDED
 from gpuobj_operator.statuses import (
     desired_claim_status,
@@ -50,6 +53,10 @@ from gpuobj_operator.statuses import (
     desired_stream_status,
     refused_object_status,
 )
+
+# How long a claim owned by a deleted pod is left to Kubernetes' garbage collector before the operator
+# deletes it itself (it holds nothing meanwhile: Ledger.claim_ended).
+COLLECTOR_GRACE = dt.timedelta(seconds=30)
 
 
 def decide_object(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
@@ -148,14 +155,22 @@ def decide_claim(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
     if claim is None or not ledger.synced or claim.deleting:
         return []
     actions: list[Action] = []
-    # Holder pod: ownerReference for garbage collection; the operator as a backstop.
-    for pod_name, pod_uid in claim.owner_pods.items():
-        pod = ledger.pods.get((claim.namespace, pod_name))
-        if pod is None:
+    for pod_name in claim.owner_pods:
+        if (claim.namespace, pod_name) not in ledger.pods:
             return [LookupPod(claim.namespace, pod_name)]
-        if pod.deleted or pod.uid != pod_uid:
+    # A claim whose holder is gone counted as ended the moment the ledger learned it (Ledger.claim_ended):
+    # the free of what it held never waits for the deletions below.
+    if tombstone := ledger.holder_pod_deleted(claim):
+        return _left_to_the_collector(claim, tombstone, now)
+    for pod_name, pod_uid in claim.owner_pods.items():
+        owner = ledger.pods[(claim.namespace, pod_name)]
+        if owner.deleted or owner.uid != pod_uid:
+            # Gone, but not provably this owner (a lookup's 404, a pod of that name made again): the claim
+            # still holds until it is deleted, and the operator deletes it now.
             return [DeleteClaim(claim.key, claim.uid, f"holder pod {pod_name} is gone")]
     if why := ledger.holder_process_gone(claim):
+        if _free_pending(ledger, claim):
+            return []  # deleted after the free: the object's deletion decides this claim again
         return [DeleteClaim(claim.key, claim.uid, why, holder="process")]
     if (ttl := ledger.claim_ttl.effective(claim)) and claim.created:
         left = (claim.created + dt.timedelta(seconds=ttl) - now).total_seconds()
@@ -179,6 +194,26 @@ def decide_claim(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
     if _status_differs(claim.status.to_json(), desired):
         actions.append(PatchClaimStatus(claim.key, desired))
     return actions
+
+
+def _left_to_the_collector(claim: ClaimInfo, tombstone: PodInfo, now: dt.datetime) -> list[Action]:
+    """A claim owned by a deleted pod: Kubernetes' garbage collector deletes it with the pod, so the
+    operator writes nothing; only if it is still there COLLECTOR_GRACE after the pod went (no collector,
+    or one far behind) does the operator delete it itself."""
+    if tombstone.deleted_at is not None:
+        left = (tombstone.deleted_at + COLLECTOR_GRACE - now).total_seconds()
+        if left > 0:
+            return [Requeue("claim", claim.key, left)]
+    return [DeleteClaim(claim.key, claim.uid, f"holder pod {tombstone.name} is gone")]
+
+
+def _free_pending(ledger: Ledger, claim: ClaimInfo) -> bool:
+    """The claim's object is deleted and nothing live holds it: its free is on its way, and the claim's
+    deletion waits for it (off the free's path); the object's own deletion re-decides the claim."""
+    obj = ledger.objects.get(claim.object_key)
+    if obj is None or (claim.object_uid and claim.object_uid != obj.uid):
+        return False
+    return obj.deleting and obj.finalized and not ledger.live_claims(obj)
 
 
 def decide_stream(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:

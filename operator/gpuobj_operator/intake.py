@@ -15,6 +15,7 @@ ever sees it.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -157,7 +158,15 @@ class Intake:
             # The kubelet reports a restart: the ended run's records go by its times (liveness.py); for
             # the rest, ask the agent now which process lives instead of at the next backstop probe.
             self.prober.probe_soon(info.key)
-        self.enqueue(self.ledger.remove_pod(info) if event_type == "DELETED" else self.ledger.upsert_pod(info))
+        if event_type != "DELETED":
+            self.enqueue(self.ledger.upsert_pod(info))
+            return
+        info.deleted_at = dt.datetime.now(dt.UTC)
+        dirty = self.ledger.remove_pod(info, time.monotonic())
+        # Its claims ended with it (Ledger.claim_ended): the objects they held are decided in the free
+        # lane now; the claims themselves are the garbage collector's to delete.
+        self.enqueue((item for item in dirty if item[0] == "object"), urgent=True)
+        self.enqueue(item for item in dirty if item[0] != "object")
 
 
 def _identity(raw: Mapping[str, Any]) -> tuple[Key, str]:

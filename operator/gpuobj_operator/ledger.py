@@ -232,12 +232,22 @@ class Ledger:
         self.pods[pod.key] = pod
         return self._pod_dependents(pod.key)
 
-    def remove_pod(self, pod: PodInfo) -> set[tuple[str, Key]]:
+    def remove_pod(self, pod: PodInfo, now: float | None = None) -> set[tuple[str, Key]]:
+        """The pod is gone. Its claims end here, in memory (claim_ended): the objects they were the last
+        references of are among the keys returned, and ``now`` (monotonic) is when their references went."""
         current = self.pods.get(pod.key)
         if current is not None and current.uid != pod.uid and not current.deleted:
             return set()  # a newer pod of the same name already replaced it
-        self.pods[pod.key] = PodInfo(pod.namespace, pod.name, pod.uid, phase=pod.phase, deleted=True)
+        if current is not None and current.deleted and not pod.uid:
+            pod = current  # a lookup's 404 says no more than the tombstone, which knows the uid that went
+        self.pods[pod.key] = PodInfo(
+            pod.namespace, pod.name, pod.uid, phase=pod.phase, deleted=True, deleted_at=pod.deleted_at
+        )
         dirty = self._pod_dependents(pod.key)
+        if now is not None:
+            for kind, key in dirty:
+                if kind == "object":
+                    self._touch_refs(key, now)
         self._drop_tombstone(pod.key)
         return dirty
 
@@ -251,14 +261,23 @@ class Ledger:
 
     def _pod_dependents(self, pod_key: Key) -> set[tuple[str, Key]]:
         dirty = {("object", k) for k in self._objects_by_pod.get(pod_key, ())}
-        dirty |= {("claim", k) for k in self._claims_by_pod.get(pod_key, ())}
+        claims = self._claims_by_pod.get(pod_key, ())
+        dirty |= {("claim", k) for k in claims}
+        # The objects its claims reference: the pod's news may end those claims (claim_ended), and
+        # the free is decided on it, not once the claims' deletions come back from the API.
+        dirty |= {("object", self.claims[k].object_key) for k in claims}
         dirty |= {("stream", k) for k in self._streams_by_producer.get(pod_key, ())}
         return dirty
 
     # ------------------------------------------------------------ queries
 
     def live_claims(self, obj: ObjectInfo) -> list[ClaimInfo]:
-        """Claims that hold a reference on this incarnation of the object."""
+        """Claims that hold a reference on this incarnation of the object: not those whose holder is known
+        gone (claim_ended), which only wait for their deletion and never hold a free back."""
+        return [c for c in self._claims_on(obj) if not self.claim_ended(c)]
+
+    def _claims_on(self, obj: ObjectInfo) -> list[ClaimInfo]:
+        """Claims on this incarnation of the object, ended or not."""
         result = []
         for key in self._claims_by_object.get(obj.key, ()):
             claim = self.claims[key]
@@ -411,6 +430,27 @@ class Ledger:
             why += f"; shared by {claim.shared_by} without naming a process, so it was that pod's process then"
         return f"holder {why}" if why else None
 
+    def holder_pod_deleted(self, claim: ClaimInfo) -> PodInfo | None:
+        """The tombstone of the holder pod this claim is owned by, when the pod watch saw that very pod
+        (its uid) deleted: Kubernetes' garbage collector deletes the claim. A pod deleted is gone for good;
+        one whose container restarts in place is not deleted, and a tombstone of another uid (a lookup's
+        404, or an older pod of the name) proves nothing about this owner."""
+        for name, uid in claim.owner_pods.items():
+            pod = self.pods.get((claim.namespace, name))
+            if pod is not None and pod.deleted and pod.uid == uid:
+                return pod
+        return None
+
+    def claim_ended(self, claim: ClaimInfo) -> str | None:
+        """Why this claim holds nothing any more although it is not deleted yet (a message), or None.
+
+        Its holder pod was deleted, or the holder's process is known gone (holder_process_gone): the claim
+        counts as ended at once, in memory, and the decision to free what it held is taken on that news.
+        Its deletion follows, by the garbage collector or after the free (decide_claim)."""
+        if pod := self.holder_pod_deleted(claim):
+            return f"holder pod {pod.name} is gone"
+        return self.holder_process_gone(claim)
+
     def _holder_gone(self, claim: ClaimInfo) -> bool:
         """The claim's holder (process, or pod) is gone: the claim only waits to be deleted."""
         if self.holder_process_gone(claim):
@@ -437,6 +477,7 @@ class Ledger:
             incarnation = self.holder_incarnation(claim)
             if incarnation and incarnation != alive:
                 dirty.add(("claim", key))
+                dirty.add(("object", claim.object_key))  # its free is decided on this probe (claim_ended)
         return dirty
 
     def dead_holder_bytes(self) -> dict[Key, int]:
@@ -445,7 +486,7 @@ class Ledger:
         for obj in self.objects.values():
             if not obj.deleting or not obj.finalized or not obj.materialized or obj.state == names.STATE_LOST:
                 continue
-            claims = self.live_claims(obj)
+            claims = self._claims_on(obj)
             if claims and all(self._holder_gone(c) for c in claims):
                 result[(obj.namespace, obj.source_pod)] += obj.bytes
         return dict(result)

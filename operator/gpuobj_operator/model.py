@@ -49,6 +49,7 @@ class PodInfo:
     endpoint: str | None = None  # host:port of the pod's agent
     deleted: bool = False  # a tombstone: the pod is confirmed gone (watch DELETED or 404)
     agent_container: AgentContainer | None = None
+    deleted_at: dt.datetime | None = None  # a tombstone: when the operator learned it (its own clock)
 
     @property
     def key(self) -> Key:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from gpuobj_operator.agent_client import AgentClient, AgentError, AgentGone, AgentUnreachable
 from gpuobj_operator.ledger import Ledger
@@ -31,7 +31,7 @@ class Prober:
         self,
         ledger: Ledger,
         agents: AgentClient,
-        enqueue: Callable[[Iterable[tuple[str, Key]]], None],
+        enqueue: Callable[..., None],  # (items, urgent=False), as Reconciler.enqueue
         settings: Settings,
     ) -> None:
         self.ledger = ledger
@@ -140,4 +140,7 @@ class Prober:
             self._probe_due[pod.key] = min(self._probe_due[pod.key], started + ASKED_PROBE_GAP)
         else:
             self._probe_asked.pop(pod.key, None)
-        self.enqueue(self.ledger.suspect_records(pod.key))
+        suspect = self.ledger.suspect_records(pod.key)
+        # Objects among them may be freed now (a dead process's claims ended): the free lane.
+        self.enqueue((item for item in suspect if item[0] == "object"), urgent=True)
+        self.enqueue(item for item in suspect if item[0] != "object")

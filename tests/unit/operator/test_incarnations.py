@@ -187,7 +187,8 @@ def test_after_a_probe_the_records_of_other_incarnations_are_re_decided() -> Non
         claim("c2", holder_pod="reader", holder_incarnation="r-2"),
     )
     ledger.liveness.observe_alive(READER, "pod-uid-r", "r-2", probe_started=1.0)
-    assert ledger.suspect_records(READER) == {("claim", (NS, "c1"))}
+    # The claim, and the object it held: its free is decided on this probe (Ledger.claim_ended).
+    assert ledger.suspect_records(READER) == {("claim", (NS, "c1")), ("object", (NS, "w"))}
     ledger.liveness.observe_alive(SRC, "pod-uid-1", "s-1", probe_started=1.0)
     assert ledger.suspect_records(SRC) == set()
 
@@ -220,8 +221,12 @@ def test_a_share_without_an_incarnation_is_dropped_when_the_receiver_process_ali
         assert DeleteClaim not in kinds(decide_claim(ledger, (NS, "c1"), NOW))
     assert ledger.suspect_records(READER) == set() and ledger.dead_holder_bytes() == {}
     ledger.liveness.observe_alive(READER, "pod-uid-r", "r-2", probe_started=20.0)  # the container restarted
-    assert ledger.suspect_records(READER) == {("claim", (NS, "c1"))}
+    assert ledger.suspect_records(READER) == {("claim", (NS, "c1")), ("object", (NS, "w"))}
     assert ledger.dead_holder_bytes() == {SRC: 64}  # a leak while it waits
+    # The claim ended with its process: the free is decided now, and the claim is deleted after it.
+    assert kinds(decide_object(ledger, (NS, "w"), NOW)) == [Free]
+    assert decide_claim(ledger, (NS, "c1"), NOW) == []
+    ledger.remove_object(ledger.objects[(NS, "w")])
     [drop] = [a for a in decide_claim(ledger, (NS, "c1"), NOW) if isinstance(a, DeleteClaim)]
     assert drop.holder == "process" and "r-1" in drop.reason and "shared by src" in drop.reason
 
