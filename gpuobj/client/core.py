@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gpuobj.client import errors, shards, state_dicts
+from gpuobj.client import errors, handoff, shards, state_dicts
 from gpuobj.client.errors import FetchError, ObjectLostError, ObjectNotFoundError
 from gpuobj.client.handles import ObjectAddress, ObjectRef, SharedRef, TensorLayout
 from gpuobj.client.releases import ReleaseQueue
@@ -48,7 +48,6 @@ POD_UID_TTL = 30.0
 # A fetch that failed because the source's process is gone waits this long for the operator to say Lost
 # (it probes agents every second or so), so the reader gets ObjectLostError, as for a deleted pod.
 LOST_WAIT = 5.0
-HANDOFF_RELEASE_TIMEOUT = 5.0
 
 
 def _short_id() -> str:
@@ -683,7 +682,8 @@ class ClientCore:
     async def _release_at_source(self, via: tuple[str, str], claim: str) -> bool:
         """Send a hand-off claim's release to the source agent that queued it (it may never have been
         recorded: the source drops it unwritten). Over TLS the source is verified as the pod it means, and
-        this pod presents its own certificate with its token. False: delete it in the API instead."""
+        this pod presents its own certificate with its token. False: delete it in the API instead, which
+        handoff.py answers only when the source will never create the claim."""
         import aiohttp
 
         endpoint, pod_uid = via
@@ -699,19 +699,8 @@ class ClientCore:
         if pod_uid:
             headers[names.HEADER_POD_UID] = pod_uid
         verify: dict[str, Any] = {"ssl": tls, "server_hostname": agent_tls.pod_dns_name(pod_uid)} if tls else {}
-        try:
-            async with self._http.post(
-                f"{'https' if tls else 'http'}://{endpoint}{api.RELEASE_HANDOFF.path(claim=claim)}",
-                json={},
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=HANDOFF_RELEASE_TIMEOUT),
-                **verify,
-            ) as resp:
-                await resp.read()
-                return resp.status == 200
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            log.debug("hand-off release of %s at %s: %s; deleting it in the API", claim, endpoint, exc)
-            return False
+        url = f"{'https' if tls else 'http'}://{endpoint}{api.RELEASE_HANDOFF.path(claim=claim)}"
+        return await handoff.release_at_source(self._http, url, headers, verify)
 
     async def handoff_sink(self, claim: str, pod: str) -> bool:
         """On the agent's loop: pod `pod` released a claim we made for it. Handled on our loop."""
