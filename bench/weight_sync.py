@@ -23,9 +23,11 @@ and releases the previous one.
   reader over the model's bytes (0.5 when every tensor splits).
 
 Printed per row: median time from the publish call to every reader holding the verified version,
-fetch GB/s per reader, NIXL registrations and deregistrations per version in the trainer (after
-the second version), and the trainer's peak bytes (its pack buffers) in versions. The machine's
-load is printed. A benchmark, not a test: nothing here asserts a timing.
+fetch GB/s per reader, NIXL registrations per version in the trainer after the second version: on the
+version's path (its put; the target is 0) and, apart, those made ahead in a spare agent after the free of
+the version before (docs/weight-sync.md), the share of first fetches whose source agent the reader had
+connected to ahead, deregistrations per version, and the trainer's peak bytes (its pack buffers) in
+versions. The machine's load is printed. A benchmark, not a test: nothing here asserts a timing.
 
     make bench
     .venv/bin/python bench/weight_sync.py [--small] [--readers 1 2 4] [--versions 10] [--no-ray] [--json PATH]
@@ -53,8 +55,14 @@ TRAINER_SETUP = r"""
 import time
 from gpuobj_dev import models
 from gpuobj_agent.nixl_transport import NixlAgent, Span, region_of
-ledger = client.agent.agent.nixl.ledger
+nixl = client.agent.agent.nixl
+ledger = nixl.ledger
 mine = None
+
+def counts():
+    # registrations on a put's path (the total less those made ahead, in a spare after the free before),
+    # deregistrations, and those made ahead
+    return [ledger.registrations - nixl.registered_ahead, ledger.deregistrations, nixl.registered_ahead]
 
 def build(size):
     global model
@@ -68,7 +76,7 @@ def publish(version, readers):
     models.step(model, version)
     sd = model.state_dict()
     crc = models.checksum(sd)
-    regs = [ledger.registrations, ledger.deregistrations]
+    regs = counts()
     before = client.pack_stats()
     t0 = time.monotonic()
     ref = client.put(sd)
@@ -90,7 +98,7 @@ def finish():
         mine.release()
         mine = None
     client.flush()
-    return [ledger.registrations, ledger.deregistrations, client.pack_stats()]
+    return [counts(), client.pack_stats()]
 
 def shard_names():
     # the tensors a TP=2 reader slices along dim 0 (the rest it reads whole): every one that splits evenly
@@ -126,15 +134,18 @@ def take(shared, crc):
     global held
     h = client.adopt(load_pickle(shared))
     t = time.monotonic()
+    fetcher = client.agent.agent.fetcher
+    hits = fetcher.preconnected_reads
     sd = client.fetch(h)
     fetched = time.monotonic()
+    connected = fetcher.preconnected_reads > hits  # its source agent was connected to ahead (announced)
     ok = models.checksum(sd) == crc
     done = time.monotonic()
     old, held = held, (h, sd)
     if old is not None:
         client.release(old[0])  # returns once the source took the release (it may free the version now)
     del old
-    return [ok, fetched - t, done]
+    return [ok, fetched - t, done, connected]
 
 def take_shard(shared, crc, rows, rank, count):
     # a TP rank's pull: its half of every splittable tensor, the rest whole; returns the bytes NIXL moved
@@ -270,18 +281,24 @@ def version_loop(args, trainer, readers, names, incarnations, nbytes) -> dict:
         totals.append(max(r[2] for r in results.values()) - t0)
         fetch_s.extend(r[1] for r in results.values())
         step["fetch_s"] = [r[1] for r in results.values()]
+        step["connected_ahead"] = [r[3] for r in results.values()]
         step["verified_s"] = max(r[2] for r in results.values()) - t0
     for n in names:
         readers[n].run("drop()")
-    end_regs, end_deregs, pool = trainer.eval("finish()")
-    regs.append([end_regs, end_deregs])
+    end, pool = trainer.eval("finish()")
+    regs.append(end)
     # Per version after the second: from the third publish to the end of the run.
     later = max(1, len(regs) - 3)
     return {
         "median_ms": median(totals) * 1000,
         "publish_to_verified_ms": [x * 1000 for x in totals],
         "gbs_per_reader": nbytes / median(fetch_s) / 1e9,
+        # on a version's path only; those made ahead in a spare (after the free before) apart
         "registrations_per_version_after_second": (regs[-1][0] - regs[2][0]) / later,
+        "registrations_ahead_per_version_after_second": (regs[-1][2] - regs[2][2]) / later,
+        # first fetches (after the second version) whose source NIXL agent the reader had connected to ahead
+        "fetches_connected_ahead": sum(sum(st["connected_ahead"]) for st in steps[2:])
+        / max(1, sum(len(st["connected_ahead"]) for st in steps[2:])),
         "deregistrations_per_version_after_second": (regs[-1][1] - regs[2][1]) / later,
         "registrations_total": regs[-1][0] - regs[0][0],
         "steps": steps,  # per version: put time, new buffer or reused, wait for a free, fetch times
@@ -477,8 +494,8 @@ def summarize(ray: dict | str, ours: dict | str, args: argparse.Namespace) -> di
         return figures
     head = (
         f"{'model':>6} | {'MB':>6} | {'tensors':>7} | {'readers':>7} | {'gpuobj ms':>9} | {'GB/s/reader':>11} | "
-        f"{'raw GB/s':>8} | {'vs raw':>6} | {'Ray ms':>8} | {'vs Ray':>6} | {'reg/v':>5} | {'dereg/v':>7} | "
-        f"{'peak v':>6}"
+        f"{'raw GB/s':>8} | {'vs raw':>6} | {'Ray ms':>8} | {'vs Ray':>6} | {'reg/v':>5} | {'ahead/v':>7} | "
+        f"{'conn':>4} | {'dereg/v':>7} | {'peak v':>6}"
     )
     print(head)
     print("-" * len(head))
@@ -499,8 +516,14 @@ def summarize(ray: dict | str, ours: dict | str, args: argparse.Namespace) -> di
                 f"{r['gbs_per_reader']:11.2f} | {raw:8.2f} | {r['gbs_per_reader'] / raw:6.0%} | "
                 + (f"{ray_row['median_ms']:8.1f} | {ratio:5.2f}x" if ray_row else f"{'-':>8} | {'-':>6}")
                 + f" | {r['registrations_per_version_after_second']:5.2f} | "
+                f"{r['registrations_ahead_per_version_after_second']:7.2f} | {r['fetches_connected_ahead']:4.0%} | "
                 f"{r['deregistrations_per_version_after_second']:7.2f} | {r['trainer_peak_versions']:6.1f}"
             )
+    print(
+        "reg/v: registrations on a version's path (its put), after the second version; ahead/v: registered in"
+        " a spare agent ahead of the put, off its path; conn: first fetches that found their source agent"
+        " connected ahead"
+    )
     print_steps(ours)
     sharded = {size: row["sharded"] for size, row in ours["rows"].items() if "sharded" in row}
     for size, r in sharded.items():

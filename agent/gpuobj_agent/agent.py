@@ -275,5 +275,12 @@ class Agent:
             "generations": len(nixl.gens),
             "rotations": nixl.gens.retired_count,
             "pooledFences": nixl.gens.private_retired,
+            # Pooled regions registered ahead of their next put, off its path (counted in "registrations" too).
+            "registrationsAhead": nixl.registered_ahead,
+            "registeringAhead": store.registering_ahead,
+            "privateSpares": self.fencer.private_spares,
+            # Reads whose source NIXL agent this reader had connected to ahead, from an announcement.
+            "preconnectedReads": self.fetcher.preconnected_reads if self.fetcher else 0,
+            "connectedAhead": self.fetcher.connected_ahead if self.fetcher else 0,
             "cachedRemoteAgents": self.fetcher.cached_agents if self.fetcher else 0,
         }

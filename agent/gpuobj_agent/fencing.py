@@ -52,7 +52,9 @@ lease + agent teardown, and exported as gpuobj_agent_quarantined_bytes and
 gpuobj_agent_quarantine_seconds.
 
 Costs: a spare agent kept ready, and a tenured one once objects live long; each agent is
-about 5 MiB and, with the 1 ms progress poll (nixl_transport.py), 1.6% of a core. A
+about 5 MiB and, with the 1 ms progress poll (nixl_transport.py), 1.6% of a core. A process
+that puts pooled regions (state dicts) also keeps PRIVATE_SPARES private agents ready, each
+announced to readers before a region is registered in it (store.py, docs/weight-sync.md). A
 rotation costs 20-60 ms of CPU on a background thread.
 
 Limits (measured or unmeasurable here):
@@ -69,11 +71,13 @@ Limits (measured or unmeasurable here):
 from __future__ import annotations
 
 import asyncio
+import base64
+import collections
 import contextlib
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 from gpuobj_agent.config import AgentConfig
 from gpuobj_agent.errors import TransportError
@@ -86,6 +90,7 @@ from gpuobj_agent.store import ObjectStore
 
 log = logging.getLogger(__name__)
 
+PRIVATE_SPARES = 2  # private NIXL agents kept ready for pooled regions (each ~5 MiB, 1.6% of a core idle)
 MIGRATION_CHUNK = 512  # objects moved per step under the NIXL lock, so frees and puts interleave
 
 
@@ -130,6 +135,9 @@ class Fencer:
         self.config = config
         self.metrics = metrics
         self._lifecycle = lifecycle
+        # Destroying an agent is a pooled version's fence, on its free's path: never queued behind the making
+        # of a spare on the lifecycle thread (20-150 ms), so it has a thread of its own (3-5 ms each).
+        self._teardown = ThreadPoolExecutor(1, thread_name_prefix="gpuobj-nixl-teardown")
         self._factory = agent_factory
         self._clock = clock
         self._task: asyncio.Task | None = None
@@ -137,11 +145,14 @@ class Fencer:
         self._spare_task: asyncio.Task | None = None
         self._spare_failed_at: float | None = None
         self._stopping = False
-        # Private agents for pooled regions (store.py): one kept ready, so a put of a version that needs
-        # one rarely waits for its creation.
-        self._private_spare: Generation | None = None
+        # Private agents for pooled regions (store.py): PRIVATE_SPARES kept ready, oldest first, so that a
+        # region rarely waits for one, and the one taken next was announced to readers while ready
+        # (`ready_private`) even when versions come faster than an agent is made (20-150 ms).
+        self._private_spares: collections.deque[Generation] = collections.deque()
         self._private_task: asyncio.Task | None = None
+        self._private_waiters: list[asyncio.Event] = []
         nixl.new_private = self.new_private
+        nixl.next_private = self.ready_private
         nixl.destroy = self._destroy
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -175,10 +186,11 @@ class Fencer:
                     await task
         self.nixl.stopping()
         gens = self.nixl.gens.live()
-        for spare in (self._spare, self._private_spare):
+        for spare in (self._spare, *self._private_spares):
             if spare is not None:
                 gens.append(spare)
-        self._spare = self._private_spare = None
+        self._spare = None
+        self._private_spares.clear()
         await self.nixl.barrier()  # nothing of ours still runs on the control thread
         for gen in gens:
             parked = self.nixl.ledger.parked(gen.gid) if gen.gid in self.nixl.ledger.generations() else []
@@ -188,11 +200,33 @@ class Fencer:
             await self._destroy(gen)
         for entry in self.nixl.quarantine.drain():
             self.metrics.quarantine_seconds.observe(self._clock() - entry.since)
+        self._teardown.shutdown(wait=True)
 
     async def _create(self) -> Generation:
         gid, name = self.nixl.gens.new_name()
         agent = await asyncio.get_running_loop().run_in_executor(self._lifecycle, self._factory, name)
         return Generation(gid, name, agent, self._clock())
+
+    async def _create_private(self) -> Generation:
+        """A private agent and its connection info (what readers are told ahead: it names no region)."""
+        gen = await self._create()
+        try:
+            conn = await asyncio.get_running_loop().run_in_executor(self._lifecycle, gen.agent.partial_metadata, [])
+        except Exception as exc:  # still usable; only its announcement is missing
+            log.error("describing spare NIXL agent %s failed: %s", gen.name, exc)
+            self.metrics.error("nixl_agent_create")
+        else:
+            gen.announce = base64.b64encode(conn).decode()
+        return gen
+
+    @property
+    def private_spares(self) -> int:
+        """Private agents ready for pooled regions now."""
+        return len(self._private_spares)
+
+    def ready_private(self) -> Generation | None:
+        """The private agent the next pooled region will take (`new_private`), if one is ready."""
+        return None if self._stopping or not self._private_spares else self._private_spares[0]
 
     def _refill(self) -> None:
         if self._spare is None and (self._spare_task is None or self._spare_task.done()):
@@ -212,29 +246,43 @@ class Fencer:
         """A fresh NIXL agent for one pooled region: the ready one if there is one, else made now."""
         if self._stopping:
             raise TransportError("agent stopping")
-        spare, self._private_spare = self._private_spare, None
+        spare = self._private_spares.popleft() if self._private_spares else None
         if spare is None:
             task = self._private_task
             if task is not None and not task.done():
-                await asyncio.shield(task)  # one is being made: take it rather than make a second
-                spare, self._private_spare = self._private_spare, None
+                made = asyncio.Event()  # one is being made: take it rather than make another
+                self._private_waiters.append(made)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(30):
+                        await made.wait()
+                spare = self._private_spares.popleft() if self._private_spares else None
             if spare is None:
-                spare = await self._create()
+                spare = await self._create_private()
         if not self._stopping and (self._private_task is None or self._private_task.done()):
             self._private_task = asyncio.create_task(self._make_private(), name="gpuobj-private-nixl-agent")
         return spare
 
     async def _make_private(self) -> None:
+        """Make private spares until PRIVATE_SPARES are ready."""
         try:
-            gen = await self._create()
-        except TransportError as exc:  # the next put makes one itself (and says why if that fails too)
-            log.error("creating a spare private NIXL agent failed: %s", exc)
-            self.metrics.error("nixl_agent_create")
-            return
-        if self._stopping or self._private_spare is not None:
-            await self._destroy(gen)
-        else:
-            self._private_spare = gen
+            while not self._stopping and len(self._private_spares) < PRIVATE_SPARES:
+                try:
+                    gen = await self._create_private()
+                except TransportError as exc:  # the next put makes one itself (and says why if that fails too)
+                    log.error("creating a spare private NIXL agent failed: %s", exc)
+                    self.metrics.error("nixl_agent_create")
+                    return
+                if self._stopping:
+                    await self._destroy(gen)
+                    return
+                self._private_spares.append(gen)
+                waiters, self._private_waiters = self._private_waiters, []
+                for made in waiters:
+                    made.set()
+        finally:
+            waiters, self._private_waiters = self._private_waiters, []
+            for made in waiters:
+                made.set()
 
     def _want_spare(self) -> None:
         """A rotation is due and no spare is ready: make one (retrying a failure after a second)."""
@@ -243,7 +291,7 @@ class Fencer:
 
     async def _destroy(self, gen: Generation) -> None:
         try:
-            await asyncio.get_running_loop().run_in_executor(self._lifecycle, gen.agent.close)
+            await asyncio.get_running_loop().run_in_executor(self._teardown, gen.agent.close)
         except Exception as exc:  # a teardown error must not keep memory forever
             log.error("destroying NIXL agent %s failed: %s", gen.name, exc)
             self.metrics.error("nixl_agent_destroy")

@@ -26,6 +26,7 @@ import logging
 import ssl
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -63,6 +64,9 @@ PREPARED_MAX_BYTES = 16 << 20
 PREPARED_SLOTS = 4
 PREPARED_BUDGET = 128 << 20
 PREPARED_IDLE = 30.0
+# Source agents connected to ahead (a pooled version's announced spare, `_preconnect`) and not read from yet:
+# at most this many are kept; the oldest is forgotten when another comes.
+ANNOUNCED_KEPT = 4
 
 
 # A sharded read (gpuobj.client.shards): per output tensor, (index of the stored tensor, output
@@ -139,6 +143,8 @@ class _GrantEntry:
     preparable: bool
     read_before: bool = False  # prepared from the second read on
     slots: list[_Slot] = field(default_factory=list)
+    next_agent: str | None = None  # the source's announced spare (store._announce), and its connection info
+    next_metadata: str = ""
 
 
 class Fetcher:
@@ -168,6 +174,12 @@ class Fetcher:
         self._grant_cache: dict[int, _GrantEntry] = {}  # id(grant) -> entry, oldest first
         self._bound_bytes = 0  # landing memory bound to prepared reads
         self._closed = False
+        # Announced source agents (`_preconnect`) not read from yet, oldest first, and those of them being
+        # connected to or connected; `preconnected_reads` counts first reads that found their agent so.
+        self._announced: OrderedDict[str, None] = OrderedDict()
+        self._preconnected: set[str] = set()
+        self.preconnected_reads = 0
+        self.connected_ahead = 0  # announced agents connected to
         pool.on_trim.append(self._trim_prepared)
         # Set when this agent serves TLS (tls.AgentCertificate.client_context): every request to another
         # agent is then HTTPS, verified to name the source pod's uid, or is not sent.
@@ -343,6 +355,7 @@ class Fetcher:
         tensors, _ = self._read_sync(entry.agent, b"", entry.spans, entry.layouts, target, deadline, None, [], b"")
         self._in_bytes.inc(entry.nbytes)
         self._in_seconds.observe(time.monotonic() - started)
+        self._preconnect_later(entry.next_agent, entry.next_metadata)
         return tensors
 
     def _load_direct(self, entry: _GrantEntry) -> None:
@@ -485,6 +498,8 @@ class Fetcher:
             nbytes,
             hash(metadata) if any(spans) else None,
             preparable=BINDABLE and any(spans) and nbytes <= PREPARED_MAX_BYTES,
+            next_agent=parsed.next_agent,
+            next_metadata=parsed.next_agent_metadata,
         )
         evicted = []
         with self._direct_lock:
@@ -546,7 +561,9 @@ class Fetcher:
             select,
         )
         try:
-            return await asyncio.shield(job)
+            done = await asyncio.shield(job)
+            self._preconnect_later(ticket.next_agent, ticket.next_agent_metadata)
+            return done
         except asyncio.CancelledError:
             abort.set()  # the thread gives up at its next poll; its tensors stay referenced until then
             with contextlib.suppress(Exception):
@@ -597,6 +614,7 @@ class Fetcher:
             return tensors, False
         if metadata:
             self.reader.load_remote(metadata)
+        self._used(agent)
         notified = self.reader.read(
             agent,
             [s for s, _ in pairs],
@@ -607,6 +625,59 @@ class Fetcher:
             notify=notify,
         )
         return tensors, notified
+
+    # -- connecting ahead -----------------------------------------------------------------
+    def _preconnect_later(self, name: str | None, metadata: str) -> None:
+        """Connect to an announced source agent on a transfer thread, after this read, off the next one's path.
+
+        Why: the source registers a pooled version in a NIXL agent new for that version (the fence), and a
+        first READ from a new agent pays for loading it and the UCX wireup (12-30 ms here under load).
+        The announcement names no region, so this connection reads nothing until that version's grant or
+        ticket hands over its key."""
+        if not name or not metadata:
+            return
+        with self._direct_lock:
+            if self._closed or name in self._preconnected or name in self._direct_loaded:
+                return
+            if any(name in loaded for _, loaded in list(self._sources.values())):  # a copy: the loop changes it
+                return
+            self._preconnected.add(name)
+            self._announced[name] = None
+            stale = []
+            while len(self._announced) > ANNOUNCED_KEPT:
+                stale.append(self._announced.popitem(last=False)[0])
+        try:
+            self._transfers.submit(self._preconnect, name, metadata, stale)
+        except RuntimeError:  # the transfer threads are shut down: closing
+            pass
+
+    def _preconnect(self, name: str, metadata: str, stale: list[str]) -> None:
+        """On a transfer thread: forget announced agents never read from, load and connect to this one."""
+        for old in stale:
+            with self._direct_lock:
+                self._preconnected.discard(old)
+            self.reader.forget_remote(old)
+        try:
+            loaded = self.reader.load_remote(base64.b64decode(metadata, validate=True))
+            if loaded != name:
+                raise TransportError(f"the announced metadata is agent {loaded}'s, not {name}'s")
+            self.reader.connect(name)
+            with self._direct_lock:
+                self.connected_ahead += 1
+        except (TransportError, ValueError) as exc:  # the first read connects, as without an announcement
+            log.debug("connecting ahead to %s failed: %s", name, exc)
+            with self._direct_lock:
+                self._announced.pop(name, None)
+                self._preconnected.discard(name)
+
+    def _used(self, agent: str) -> None:
+        """A read goes to `agent`: if it was connected to ahead, count it; an ordinary loaded agent from now on."""
+        if agent in self._preconnected:  # a set read is atomic under the GIL; the change takes the lock
+            with self._direct_lock:
+                if agent in self._preconnected:
+                    self.preconnected_reads += 1
+                    self._preconnected.discard(agent)
+                    self._announced.pop(agent, None)
 
     def _note_source(self, endpoint: str, incarnation: str, live: set[str], agent: str | None) -> list[str]:
         """Update the cache; return agents to forget (retired, or of an earlier incarnation)."""

@@ -41,6 +41,9 @@ class Generation:
     sealed_at: float | None = None
     retired_at: float | None = None
     migrated: set[str] = field(default_factory=set)  # objects moved out, whose registration here drains
+    # A private spare's connection info alone (base64 NIXL partial metadata naming no region), announced to
+    # readers before a version is registered in it (store.py): set when the spare is made.
+    announce: str | None = None
 
 
 class GenerationTable:

@@ -57,9 +57,15 @@ class NixlState:
         # `destroy` tears one down on the lifecycle thread.
         self.new_private: Callable[[], Awaitable[Generation]] | None = None
         self.destroy: Callable[[Generation], Awaitable[None]] | None = None
+        # The private agent `new_private` will return next, if ready (announced to readers ahead, store.py).
+        self.next_private: Callable[[], Generation | None] = lambda: None
         # Pooled regions parked in their private agent, never handed to a reader: the next version in the
         # same buffer is put there with no registration. regions -> generation id.
         self.pooled_parked: dict[tuple[RegionKey, ...], int] = {}
+        # Regions registered ahead of a put, in a spare private agent, after the free that fenced the
+        # version before (store.py): off every version's path. Counted apart from `ledger.registrations`
+        # (which counts them too), so "registrations on a put's path" = the difference.
+        self.registered_ahead = 0
 
     # -- the control thread ---------------------------------------------------------------
     async def control(self, fn: Callable, *args: Any) -> Any:

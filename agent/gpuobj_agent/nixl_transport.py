@@ -231,6 +231,13 @@ class NixlAgent:
             raise TransportError(f"loading remote NIXL metadata failed: {nixl_error_name(exc)}") from exc
         return name.decode() if isinstance(name, bytes) else str(name)
 
+    def connect(self, name: str) -> None:
+        """Connect to a loaded remote agent now (UCX wireup), not on the first READ from it."""
+        try:
+            self._a().make_connection(name)
+        except Exception as exc:
+            raise TransportError(f"connecting to NIXL agent {name} failed: {nixl_error_name(exc)}") from exc
+
     def notifications(self) -> dict[str, list[bytes]]:
         """Messages remote agents sent with their transfers since the last call (progresses the worker)."""
         if self._impl is None:

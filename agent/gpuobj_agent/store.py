@@ -58,6 +58,9 @@ NOTIFY_POLL_SECONDS = 0.001
 # Freed objects that granted other namespaces (spec.sharedWith) are remembered, this many at most, so
 # that a granted reader of another namespace hears "not found" (404), not "may not read" (403).
 FREED_GRANTS_KEPT = 4096
+# A pooled region is registered again ahead of its next put (`_register_ahead`): bounds on that background work
+# (making the spare agent when none is ready, and a put waiting for a registration already under way).
+AHEAD_TIMEOUT = 30.0
 
 
 def check_id(object_id: Any, what: str = "object id") -> str:
@@ -164,6 +167,10 @@ class ObjectStore:
         self.closing = False
         self._issued = asyncio.Event()
         self._pump_task: asyncio.Task | None = None
+        # Pooled regions being registered ahead in a spare private agent (`_register_ahead`), by region; and
+        # the registrations themselves, shielded so that a shutdown never leaves one half recorded.
+        self._ahead: dict[tuple[RegionKey, ...], asyncio.Task] = {}
+        self._ahead_inner: set[asyncio.Task] = set()
 
     # -- helpers -----------------------------------------------------------------------
     @property
@@ -175,6 +182,11 @@ class ObjectStore:
         """The NIXL agent new objects are registered in; None while starting or stopping (not ready)."""
         gen = self.nixl.gens.active
         return gen.name if gen is not None and not self.closing else None
+
+    @property
+    def registering_ahead(self) -> int:
+        """Pooled regions whose registration ahead of the next put is under way (`_register_ahead`)."""
+        return len(self._ahead)
 
     def levels(self) -> Levels:
         by_device: dict[str, int] = {"cpu": 0}  # a series from the start, so dashboards show 0, not nothing
@@ -343,6 +355,11 @@ class ObjectStore:
         """
         keys = fields[2]
         region = tuple(keys)
+        ahead = self._ahead.get(region)
+        if ahead is not None:  # its registration started at the last version's free: let it finish
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(AHEAD_TIMEOUT):
+                    await asyncio.shield(ahead)
         for _attempt in range(3):
             fresh = None if region in self.nixl.pooled_parked else await self.nixl.new_private()
             retired = None
@@ -507,6 +524,7 @@ class ObjectStore:
             live_agents=tuple(self.nixl.gens.live_names()),
             incarnation=self.incarnation,
             generation=obj.gid,
+            **self._announce(obj),
         ).to_json()
 
     def _issue(self, obj: StoredObject, reader: str) -> dict[str, Any]:
@@ -529,7 +547,19 @@ class ObjectStore:
             lease_seconds=lease,
             live_agents=tuple(self.nixl.gens.live_names()),
             incarnation=self.incarnation,
+            **self._announce(obj),
         ).to_json()
+
+    def _announce(self, obj: StoredObject) -> dict[str, Any]:
+        """For a pooled object's reader: the spare agent the next version will most likely be registered in,
+        with its connection info alone (it names no region: nothing can be read through it until a grant or
+        ticket of that version hands over the region's key). Nothing when no spare is ready."""
+        if obj.on_release is None:
+            return {}
+        spare = self.nixl.next_private()
+        if spare is None or not spare.announce:
+            return {}
+        return {"next_agent": spare.name, "next_agent_metadata": spare.announce}
 
     def read_taken_by(self, read_id: str) -> str | None:
         """Who took a live read ticket (the server lets only that pod end it)."""
@@ -675,8 +705,82 @@ class ObjectStore:
 
     async def release_all(self) -> None:
         """At shutdown, once reads ended or their wait ran out: deregister and forget every object."""
+        await self._stop_ahead()
         for obj in list(self.objects.values()):
             await self._release(obj)
+
+    # -- registering pooled regions ahead -------------------------------------------------
+    def _start_ahead(self, keys: list[RegionKey]) -> None:
+        region = tuple(keys)
+        if region in self._ahead or region in self.nixl.pooled_parked:
+            return
+        task = asyncio.get_running_loop().create_task(self._register_ahead(keys), name="gpuobj-pooled-ahead")
+        self._ahead[region] = task
+        task.add_done_callback(lambda t, r=region: self._ahead.pop(r, None) if self._ahead.get(r) is t else None)
+
+    async def _register_ahead(self, keys: list[RegionKey]) -> None:
+        """Register a fenced pooled region, now idle in its owner's pool, in the spare private agent.
+
+        Why: the next version in this buffer is then put with no registration (the parked path of
+        `_put_pooled`), and its readers, told of this agent with the version before (`_announce`), have
+        connected to it already. Nobody was handed a key to the region here, so the fence still holds:
+        a reader can read it only after a grant or ticket of the next version."""
+        try:
+            async with asyncio.timeout(AHEAD_TIMEOUT):
+                assert self.nixl.new_private is not None
+                gen = await self.nixl.new_private()
+        except (TransportError, TimeoutError) as exc:  # the next put registers the region itself
+            log.warning("no spare NIXL agent to register a pooled region ahead: %s", exc)
+            return
+        inner = asyncio.get_running_loop().create_task(self._park_ahead(keys, gen))
+        self._ahead_inner.add(inner)
+        inner.add_done_callback(self._ahead_inner.discard)
+        await asyncio.shield(inner)  # a shutdown cancels the wait, never the registration half done
+
+    async def _park_ahead(self, keys: list[RegionKey], gen: Generation) -> None:
+        region, taken, retired = tuple(keys), False, None
+        try:
+            async with self.nixl.lock:
+                if (
+                    self.closing
+                    or self.nixl.gens.active is None
+                    or region in self.nixl.pooled_parked
+                    or any(o.on_release is not None and tuple(o.keys) == region for o in self.objects.values())
+                ):
+                    return  # stopping, or the owner's put got there first (it waited AHEAD_TIMEOUT for us)
+                self.nixl.gens.add_private(gen)
+                self.nixl.ledger.add_generation(gen.gid)
+                self.nixl.members.setdefault(gen.gid, set())
+                owner = f"ahead.{gen.gid}"
+                new = self.nixl.ledger.acquire(gen.gid, keys, owner)
+                self.nixl.registered_ahead += len(new)  # with the ledger's count: the two always agree
+                try:
+                    await self.nixl.control(gen.agent.register, list(new))
+                except Exception as exc:
+                    self.nixl.ledger.rollback(gen.gid, new, owner)
+                    self.nixl.registered_ahead -= len(new)
+                    self.metrics.error("nixl_register")
+                    retired = self.nixl.retire_generation(gen.gid)
+                    log.error("registering a pooled region ahead in %s failed: %s", gen.name, exc)
+                    return
+                self.nixl.ledger.release(gen.gid, owner, park_all=True)
+                self.nixl.pooled_parked[region] = gen.gid
+                self.metrics.registrations.labels(op="register").inc(len(new))
+                taken = True
+        finally:
+            if retired is not None:
+                await self.nixl.destroy_retired(retired)
+            elif not taken:
+                assert self.nixl.destroy is not None
+                await self.nixl.destroy(gen)
+
+    async def _stop_ahead(self) -> None:
+        """At shutdown: no new registration ahead; the ones under way finish (bounded) or are given up."""
+        for task in list(self._ahead.values()):
+            task.cancel()
+        pending = [*self._ahead.values(), *self._ahead_inner]
+        if pending:
+            await asyncio.wait(pending, timeout=AHEAD_TIMEOUT)
 
     async def _release(self, obj: StoredObject) -> set[int]:
         """Deregister everywhere, forget the object, quarantine or drop its tensors; returns fence gens."""
@@ -717,6 +821,10 @@ class ObjectStore:
                         del self.streams[obj.stream]
         for gen in fenced:
             await self.nixl.destroy_retired(gen)  # from here on a replay of this version's key fails
+        if fenced and pooled and not self.closing:
+            # The owner refills the buffer next: register it now in the spare agent readers were told of,
+            # while the owner packs, so the next version's put registers nothing and its readers are connected.
+            self._start_ahead(list(obj.keys))
         tensors, obj.tensors, obj.description = obj.tensors, [], None
         if exposed:
             self.nixl.quarantine.add(obj.object_id, obj.nbytes, tensors, exposed, self._clock())

@@ -576,6 +576,12 @@ class ReadTicket:
 
     `agent_metadata` is base64 of the NIXL partial metadata of the object's registration (empty when
     no tensor has bytes); `spans` and `tensors` pair up one to one.
+
+    `next_agent` / `next_agent_metadata` (pooled objects only, when one is ready): the source's spare NIXL
+    agent that its next pooled version will most likely be registered in, and base64 of that agent's
+    connection info alone (no region's key). A reader loads and connects to it off its read's path, so
+    its first read of the next version makes no new connection; it can read nothing through it until a
+    grant or ticket of that version hands it the region's key (docs/weight-sync.md).
     """
 
     nixl_agent: str
@@ -589,6 +595,8 @@ class ReadTicket:
     lease_seconds: float = 0.0
     descriptors: str | None = None
     generation: int | None = None
+    next_agent: str | None = None
+    next_agent_metadata: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """A ticket (with readId and leaseSeconds) or a grant (with generation), as BEGIN_READ answers it."""
@@ -609,6 +617,9 @@ class ReadTicket:
         body["incarnation"] = self.incarnation
         if self.generation is not None:
             body["generation"] = self.generation
+        if self.next_agent:
+            body["nextAgent"] = self.next_agent
+            body["nextAgentMetadata"] = self.next_agent_metadata
         return body
 
     @classmethod
@@ -634,11 +645,15 @@ class ReadTicket:
                 lease_seconds=float(data.get("leaseSeconds") or 0),
                 descriptors=data.get("descriptors"),
                 generation=data.get("generation"),
+                next_agent=data.get("nextAgent") or None,
+                next_agent_metadata=data.get("nextAgentMetadata") or "",
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"missing or mistyped field {exc}") from None
         if not isinstance(agent, str) or not isinstance(metadata, str):
             raise ValueError("nixlAgent and agentMetadata must be strings")
+        if not isinstance(ticket.next_agent, (str, type(None))) or not isinstance(ticket.next_agent_metadata, str):
+            raise ValueError("nextAgent and nextAgentMetadata must be strings")
         if len(spans) != len(tensors):
             raise ValueError(f"{len(spans)} spans for {len(tensors)} tensors")
         for span, layout in zip(spans, tensors, strict=True):

@@ -27,7 +27,17 @@ SETUP = "from gpuobj_dev import models; held = {}"
 
 
 def registrations(pods: Pods, token_file) -> float:
-    return agent_http.metric(pods.endpoint(TRAINER), "gpuobj_agent_nixl_registrations_total", {"op": "register"})
+    """The trainer's NIXL registrations on a put's path: all of them (gpuobj_agent_nixl_registrations_total) but
+    those made ahead, in a spare agent after a free (docs/weight-sync.md), once none is under way."""
+    trainer = pods.workloads[TRAINER]
+    wait_until(lambda: trainer.eval("client.agent.agent.store.registering_ahead") == 0, "the registration ahead", 30)
+    total = agent_http.metric(pods.endpoint(TRAINER), "gpuobj_agent_nixl_registrations_total", {"op": "register"})
+    return total - trainer.eval("client.agent.agent.nixl.registered_ahead")
+
+
+def connected_ahead(reader) -> int:
+    """A reader's first fetches whose source NIXL agent it had connected to ahead (from an announcement)."""
+    return reader.eval("client.agent.agent.fetcher.preconnected_reads")
 
 
 def publish(trainer, version: int) -> int:
@@ -73,8 +83,13 @@ def finish(cluster, namespace, pods: Pods, token_file, trainer, readers) -> None
     pool = trainer.eval("client.pack_stats()")
     assert pool["busyBytes"] == 0
     # Every version here was read, so each free destroyed its version's NIXL agent before the buffer went
-    # back to the pool (a replayed grant fails, never reads the next version): nothing stays registered.
-    assert agent_http.metric(endpoint, "gpuobj_agent_nixl_registered_bytes") == 0
+    # back to the pool (a replayed grant fails, never reads the next version); each buffer is registered
+    # again, ahead of its next version, in a spare agent whose key no reader holds: nothing else is.
+    wait_until(
+        lambda: agent_http.metric(endpoint, "gpuobj_agent_nixl_registered_bytes") == pool["bytes"],
+        "only the idle pack buffers registered (ahead)",
+        30,
+    )
     assert_api_empty(cluster, namespace)
 
 
@@ -129,13 +144,23 @@ def test_versions_reuse_their_buffers_with_one_registration_each_and_a_lagging_r
     # Readers keep up, and each version is published as soon as they hold the one before, while the
     # operator's free of the version two back may still be on its way: the put waits for that free
     # (every reference to it is released) and reuses its buffer rather than making a new one. That
-    # version was read, so its free destroyed the NIXL agent its readers were given: the buffer is
-    # registered again, once, in a fresh agent (docs/weight-sync.md).
+    # version was read, so its free destroyed the NIXL agent its readers were given, and registered the
+    # buffer in the spare agent announced with the version after it: the put registers nothing, and each
+    # reader, connected to that spare after its last fetch, makes no new connection (docs/weight-sync.md).
+    # (Version 3's spare was still being made when rollout-0 was handed version 2, the spares' first use: it
+    # connects on its first fetch of version 3; the agents' spares are ready ahead from then on.)
+    connected = {}
     for version in range(3, 7):
         crcs[version] = publish(trainer, version)
         for name, reader in readers.items():
             hand_to(trainer, reader, name, version, crcs[version])
-    assert registrations(pods, token_file) == after_second + 4  # one registration each for versions 3-6
+        if version == 3:
+            connected = {name: connected_ahead(reader) for name, reader in readers.items()}
+    assert registrations(pods, token_file) == after_second  # none on the path of versions 3-6
+    assert {name: connected_ahead(reader) - connected[name] for name, reader in readers.items()} == {
+        name: 3
+        for name in readers  # versions 4-6: every first fetch found its agent connected
+    }
     pool = trainer.eval("client.pack_stats()")
     assert (pool["buffers"], pool["waitTimeouts"]) == (2, 0)
 

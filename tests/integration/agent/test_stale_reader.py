@@ -295,3 +295,60 @@ def test_a_replayed_read_of_a_pooled_version_never_returns_the_next_version_in_i
     finally:
         reader.close()
     assert pub.pool.stats()["busyBytes"] == 0
+
+
+@pytest.mark.parametrize("transport", ["default", "tcp"])
+def test_a_reader_holding_a_spares_announcement_reads_nothing_before_that_version_is_granted(
+    make_runtime, monkeypatch, transport
+):
+    """Issue 31 (item 1): a pooled version's grant announces the spare NIXL agent the next version goes to, with
+    its connection info (docs/weight-sync.md, "The spare, announced"), and the agent registers the buffer there as
+    soon as the version before is freed, before the next put. A raw reader that loaded the announcement, and
+    still has version 1's descriptors (the same bytes of the same buffer), reads nothing through the spare: not
+    version 1's bytes left in the buffer, not version 2's once it is packed there and put. Only version 2's own
+    grant makes the read work."""
+    from .test_weight_sync import Publisher, wait_ahead
+
+    for name, value in TRANSPORTS[transport].items():
+        monkeypatch.setenv(name, value)
+    if transport == "default":
+        monkeypatch.delenv("UCX_TLS", raising=False)
+    src = make_runtime("src")
+    pub = Publisher(src)
+    reader = RawReader(f"announced-{transport}", TRANSPORTS[transport], "thread")
+    try:
+        v1, v2 = _weights(1.0), _weights(2.0)
+        pub.publish("v1", v1)
+        wait_ahead(src)  # the spare is made in the background
+        old = asyncio.run(src.agrant("v1"))
+        spare = old.get("nextAgent")
+        assert spare and old["nextAgentMetadata"] and spare != old["nixlAgent"], old
+        assert reader.call(op="load", metadata=old["agentMetadata"])["ok"]
+        assert reader.call(op="read", agent=old["nixlAgent"], descriptors=old["descriptors"], nbytes=old["bytes"]) == {
+            "ok": True,
+            "sha256": _sha(v1),
+        }
+        assert reader.call(op="load", metadata=old["nextAgentMetadata"]) == {"ok": True, "agent": spare}
+        through_spare = {"op": "read", "agent": spare, "descriptors": old["descriptors"], "nbytes": old["bytes"]}
+
+        def refused(what: str) -> None:
+            got = reader.call(**through_spare)
+            assert not got["ok"] and "NIXL_ERR" in got["error"], f"{what}: {got}"
+
+        refused("before the free (the spare holds nothing yet)")
+        assert src.free("v1")["freed"]
+        wait_ahead(src)
+        assert src.stats()["registrationsAhead"] == 1  # the buffer is registered in the spare now, version 1 in it
+        refused("the buffer registered in the spare, version 1's bytes in it")
+        pub.publish("v2", v2)
+        assert pub.pool.stats()["reused"] == 1
+        refused("version 2 put in the spare, not yet granted")
+
+        new = asyncio.run(src.agrant("v2"))
+        assert new["nixlAgent"] == spare and new["spans"] == old["spans"]  # the announced agent, the same buffer
+        assert reader.call(op="load", metadata=new["agentMetadata"])["ok"]
+        assert reader.call(**through_spare) == {"ok": True, "sha256": _sha(v2)}  # granted: it reads version 2
+        assert src.free("v2")["freed"]
+    finally:
+        reader.close()
+    assert pub.pool.stats()["busyBytes"] == 0

@@ -5,6 +5,7 @@ and operator side is tests/e2e/operator/test_weight_sync.py, the raw replay test
 
 from __future__ import annotations
 
+import asyncio
 import gc
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from gpuobj.client.errors import InvalidTensorError
 from gpuobj.client.state_dicts import PackPool, plan, unpack
 
-from .conftest import TOKEN, settle
+from .conftest import TOKEN, settle, wait_until
 
 pytestmark = pytest.mark.nixl
 
@@ -50,7 +51,18 @@ class Publisher:
 
 
 def registrations(rt) -> int:
-    return rt.stats()["registrations"]
+    """NIXL registrations on a put's path: all of them but those made ahead, in a spare, once none is under way."""
+    stats = wait_until(lambda: (s := rt.stats())["registeringAhead"] == 0 and s, "the registration ahead", 30)
+    return stats["registrations"] - stats["registrationsAhead"]
+
+
+def wait_ahead(rt) -> dict:
+    """Until the background work after a free is done: the region registered ahead, a private spare ready."""
+    return wait_until(
+        lambda: (s := rt.stats())["registeringAhead"] == 0 and s["privateSpares"] >= 1 and s,
+        "the registration ahead and a private spare",
+        30,
+    )
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
@@ -58,8 +70,9 @@ def raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_only_pool_parked(stats: dict, buffers: int) -> None:
-    """Nothing held but `buffers` pool regions whose last version nobody read, parked registered in their own
-    NIXL agents for the next version (deregistered at stop); a region a reader saw was fenced at its free."""
+    """Nothing held but `buffers` pool regions parked registered for their next version (deregistered at stop):
+    in their own NIXL agent when nobody read their last version, else, that agent destroyed at the free (the
+    fence), in a spare agent no reader has a key of (registered ahead)."""
     assert stats["objects"] == 0 and stats["storeBytes"] == 0, stats
     assert stats["inflightReads"] == 0 and stats["quarantinedBytes"] == 0, stats
     assert stats["registeredRegions"] == buffers, stats
@@ -83,8 +96,9 @@ def test_a_state_dict_is_one_region_and_comes_back_with_its_names_dtypes_bytes_a
     gc.collect()
     freed = src.free("v1")
     assert freed["freed"] and freed["fenced"], freed  # a reader saw it: its agent is gone before the reuse
-    assert src.stats()["pooledFences"] == 1
-    assert_only_pool_parked(src.stats(), 0)
+    stats = wait_ahead(src)
+    assert stats["pooledFences"] == 1 and stats["registrationsAhead"] == 1  # the buffer, in a spare, for v2
+    assert_only_pool_parked(stats, 1)
     settle(dst.stats)
 
 
@@ -122,9 +136,10 @@ def test_a_version_nobody_read_is_reused_with_no_registration_and_a_read_one_is_
         del fetched
         freed = src.free(f"v{version}")
         assert freed["freed"] and freed["fenced"], freed  # read: fenced within the free, before the reuse
-    stats = src.stats()
-    # v4-v8 each in a fresh agent (one registration each, the buffer reused), v3-v8 fenced at their free
-    assert registrations(src) == start + 2 + 5 and stats["pooledFences"] == 6
+    stats = wait_ahead(src)
+    # v3-v8 fenced at their free; after each, the buffer was registered ahead in a spare agent, where the next
+    # version was put: v4-v8 registered nothing on their put's path
+    assert registrations(src) == start + 2 and stats["pooledFences"] == 6 and stats["registrationsAhead"] == 6
     assert pub.pool.stats()["buffers"] == 2 and pub.pool.stats()["reused"] == 6
     assert stats["rotations"] == 0 and stats["quarantinedBytes"] == 0  # no lane rotation, nothing quarantined
     # The lagging reader's v1 was never overwritten: it is still whole, and still readable at the source.
@@ -135,7 +150,43 @@ def test_a_version_nobody_read_is_reused_with_no_registration_and_a_read_one_is_
     gc.collect()
     assert src.free("v1")["freed"]
     assert pub.pool.stats()["busyBytes"] == 0
-    assert_only_pool_parked(src.stats(), 0)
+    assert_only_pool_parked(wait_ahead(src), 2)  # both buffers, each in a spare agent for its next version
+    settle(dst.stats)
+
+
+def test_a_readers_first_fetch_of_a_version_finds_its_agent_connected_and_the_put_registers_nothing(make_runtime):
+    """Issue 31 (item 1): a read version's grant announces the spare agent the next version goes to; the reader
+    connects to it after its read, and the source registers the buffer there after the free before the next put.
+    So from the third version on the put registers nothing and the reader's first fetch finds its agent
+    connected; the versions' bytes are right and nothing is left behind."""
+    src, dst = make_runtime("src"), make_runtime("dst")
+    pub = Publisher(src)
+    start = registrations(src)
+    granted = {}
+    for version in range(1, 7):
+        pub.publish(f"v{version}", state_dict(version))
+        wait_ahead(src)  # a step of training: the spares are ready again (made in 20-150 ms)
+        grant = asyncio.run(src.agrant(f"v{version}"))
+        granted[version] = grant
+        if version > 1:
+            assert grant["nixlAgent"] == granted[version - 1]["nextAgent"], "the version went to the announced agent"
+        before = dst.stats()["preconnectedReads"]
+        got = unpack(pub.entries[f"v{version}"], dst.fetch_granted_direct(src.endpoint, f"v{version}", grant))
+        assert torch.equal(raw(got["layers.5.w"]), raw(state_dict(version)["layers.5.w"]))
+        del got
+        gc.collect()
+        if version > 1:  # v2 (a fresh buffer) and every later one went to the spare announced with the last
+            assert dst.stats()["preconnectedReads"] == before + 1
+        wait_until(lambda v=version: dst.stats()["connectedAhead"] >= v, "connected to the announced spare", 30)
+        if version > 1:
+            freed = src.free(f"v{version - 1}")  # the version before: its buffer takes the next one
+            assert freed["freed"] and freed["fenced"], freed
+    assert registrations(src) == start + 2  # the two buffers' first registrations only
+    # v1-v5's buffers, each in the spare after their free: v3-v6 were put there, the last waits for v7
+    assert wait_ahead(src)["registrationsAhead"] == 5
+    assert src.free("v6")["freed"]
+    assert pub.pool.stats()["busyBytes"] == 0
+    assert_only_pool_parked(wait_ahead(src), 2)
     settle(dst.stats)
 
 

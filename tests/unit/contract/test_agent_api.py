@@ -156,6 +156,14 @@ def test_every_answer_the_agent_writes_reads_back_the_same() -> None:
     grant = api.ReadTicket("src-g1", "", (None,), (TensorLayout((0,), "int8", "cpu"),), generation=3)
     assert "readId" not in grant.to_json() and "leaseSeconds" not in grant.to_json()
     assert api.ReadTicket.from_json(grant.to_json()) == grant
+    assert "nextAgent" not in grant.to_json()  # only a pooled object's answer announces a spare
+    announcing = api.ReadTicket(
+        "src-g1", "", (None,), (layout,), generation=3, next_agent="src-g4", next_agent_metadata="Y29ubg=="
+    )
+    assert announcing.to_json()["nextAgent"] == "src-g4"
+    assert api.ReadTicket.from_json(announcing.to_json()) == announcing
+    with pytest.raises(ValueError, match="nextAgent"):
+        api.ReadTicket.from_json({**announcing.to_json(), "nextAgentMetadata": 7})
     info = api.AgentInfo("p", "ns", "uid", "inc", "p-g1", ("p-g1",), "2026-01-01T00:00:00.000Z", "h:1")
     assert api.AgentInfo.from_json(info.to_json()) == info
     described = api.ObjectDescription("o-1", 2, (layout,), "t", "s", 0)
