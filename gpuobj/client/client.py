@@ -134,7 +134,7 @@ class Client:
                 max_pending_writes = int(_env_float("GPUOBJ_MAX_PENDING_WRITES", DEFAULT_MAX_PENDING))
             if backpressure_timeout is None:
                 backpressure_timeout = _env_float("GPUOBJ_BACKPRESSURE_TIMEOUT", timeout)
-            record = os.environ.get("GPUOBJ_RECORD", "all")
+            record = os.environ.get("GPUOBJ_RECORD", "shared")
             if record not in ("all", "shared"):
                 raise ValueError(f"GPUOBJ_RECORD={record!r}: choose 'all' (record every object) or 'shared'")
             wb_options = {

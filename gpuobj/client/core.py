@@ -164,8 +164,8 @@ class ClientCore:
             pending = getattr(agent, "set_record_pending", None)  # our own in-process agent tells the audit
             options = dict(write_behind)
             # Recording policy (docs/design.md): "shared" holds private objects' records, only where our own
-            # in-process agent can mark them private for the audit; "all" (the default) records every object.
-            record = options.pop("record", "all")
+            # in-process agent can mark them private for the audit (the default); "all" records every object.
+            record = options.pop("record", "shared")
             private = getattr(agent, "set_private", None) if record == "shared" else None
             self.wb = WriteBehind(
                 kube,

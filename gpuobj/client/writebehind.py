@@ -27,7 +27,7 @@ writes and return; the queue sends them in the background. What must still hold:
   needs no API read on the caller's path (it succeeds during an outage, like a put). A
   receiver that does not exist fails that claim alone (PodNotFoundError, from `flush`).
 - Every refusal for good is also raised, once, by the next `flush`.
-- Recording policy (`record`, $GPUOBJ_RECORD): with "shared", a *private* object (unnamed, put by this
+- Recording policy (`record`, $GPUOBJ_RECORD): with "shared" (the default), a *private* object (unnamed, put by this
   process into its own in-process agent, shared with no one) is never written: its family is held, and
   its bytes die with the process. Its first claim (a `share`, a `borrow`) makes it shared: the held
   create is queued first, then the claim, and the family is sent once it has lived past the window.
