@@ -12,11 +12,17 @@ import re
 import ssl
 import urllib.request
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gpuobj_dev.testing.cluster import ClusterHandle
 
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE", "APPLY"})
+# What an object's life makes the cluster write, whoever writes it (client, operator): gpuobj.io resources
+# (objects, claims, their statuses, streams) and Events. Not leases, pods or nodes: those are written
+# whether objects exist or not (kwok's heartbeats, the operator's Lease).
+OBJECT_GROUPS = frozenset({"gpuobj.io"})
+OBJECT_RESOURCES = frozenset({"events"})
 _SAMPLE = re.compile(r"^(apiserver_request_duration_seconds_bucket|apiserver_request_total)\{([^}]*)\} (\S+)$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -27,12 +33,19 @@ class ApiSnapshot:
 
     buckets: dict[float, float] = field(default_factory=dict)  # mutating requests with latency <= le
     requests: dict[tuple[str, str, str], float] = field(default_factory=dict)  # (verb, group, resource[/sub]) -> count
+    object_codes: dict[str, float] = field(default_factory=dict)  # object writes (see object_writes) by answer code
 
     def minus(self, earlier: ApiSnapshot) -> ApiSnapshot:
         return ApiSnapshot(
             {le: n - earlier.buckets.get(le, 0.0) for le, n in self.buckets.items()},
             {k: n - earlier.requests.get(k, 0.0) for k, n in self.requests.items()},
+            {c: n - earlier.object_codes.get(c, 0.0) for c, n in self.object_codes.items()},
         )
+
+    def object_writes_refused(self) -> float:
+        """Object writes the API server answered with anything but 2xx (429 when its queues were full, 409,
+        5xx, 504 time-outs): requests it served, and a client sent again; part of `object_writes`."""
+        return sum(n for code, n in self.object_codes.items() if not code.startswith("2"))
 
     def mutating_p99(self) -> float | None:
         return quantile(self.buckets, 0.99)
@@ -49,6 +62,18 @@ class ApiSnapshot:
             total += n
         return total
 
+    def object_writes(self) -> float:
+        """Mutating requests objects cause (OBJECT_GROUPS, OBJECT_RESOURCES): what a write class is charged."""
+        return self.writes(groups=OBJECT_GROUPS, resources=OBJECT_RESOURCES)
+
+    def object_writes_by_resource(self) -> dict[str, float]:
+        """`object_writes` by "VERB resource", largest first."""
+        out: dict[str, float] = {}
+        for (verb, group, resource), n in self.requests.items():
+            if verb in MUTATING and n > 0 and _is_object(group, resource):
+                out[f"{verb} {resource}"] = out.get(f"{verb} {resource}", 0.0) + n
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
     def writes_by_resource(self) -> dict[str, float]:
         """Mutating requests by "VERB resource", largest first: which writes a figure is made of."""
         out: dict[str, float] = {}
@@ -59,6 +84,21 @@ class ApiSnapshot:
 
     def reads(self) -> float:
         return sum(n for (verb, _, _), n in self.requests.items() if verb in ("GET", "LIST"))
+
+
+def _is_object(group: str, resource: str) -> bool:
+    return group in OBJECT_GROUPS or resource.split("/")[0] in OBJECT_RESOURCES
+
+
+def per_object(writes: float, objects: int) -> float | None:
+    """Writes charged to each of `objects` (None when there were none to charge)."""
+    return writes / objects if objects > 0 else None
+
+
+def worst(values: Iterable[float | None]) -> float | None:
+    """The largest of the figures that exist (a window with no mutating request has no p99)."""
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
 
 
 def quantile(buckets: dict[float, float], q: float) -> float | None:
@@ -85,6 +125,7 @@ def quantile(buckets: dict[float, float], q: float) -> float | None:
 def parse(text: str) -> ApiSnapshot:
     buckets: dict[float, float] = defaultdict(float)
     requests: dict[tuple[str, str, str], float] = defaultdict(float)
+    codes: dict[str, float] = defaultdict(float)
     for line in text.splitlines():
         if not line.startswith("apiserver_request_"):
             continue
@@ -99,9 +140,11 @@ def parse(text: str) -> ApiSnapshot:
             if labels.get("subresource"):  # gpuobjects/status apart from gpuobjects: who writes which
                 resource = f"{resource}/{labels['subresource']}"
             requests[(verb, labels.get("group", ""), resource)] += value
+            if verb in MUTATING and _is_object(labels.get("group", ""), resource):
+                codes[labels.get("code", "")] += value
         elif verb in MUTATING:
             buckets[float(labels["le"])] += value
-    return ApiSnapshot(dict(buckets), dict(requests))
+    return ApiSnapshot(dict(buckets), dict(requests), dict(codes))
 
 
 def scrape(handle: ClusterHandle, timeout: float = 30.0) -> ApiSnapshot:

@@ -81,8 +81,13 @@ class Fleet:
         pod_ip: Callable[[int], str],
         operator_subject: str,
         token_concurrency: int = 8,
+        record: str = "all",
     ) -> None:
-        """`pod_ip(n)`: the address of the run's n-th pod (`Kwok.pod_ip`), which kwok reports as its podIP."""
+        """`pod_ip(n)`: the address of the run's n-th pod (`Kwok.pod_ip`), which kwok reports as its podIP.
+        `record`: every client's recording policy (GPUOBJ_RECORD, docs/design.md): "all" or "shared"."""
+        if record not in ("all", "shared"):
+            raise ValueError(f"record={record!r}: 'all' or 'shared'")
+        self.record = record
         self.handle, self.namespace, self.folder = handle, namespace, Path(folder)
         self.nodes = nodes
         self.pod_ip = pod_ip
@@ -274,7 +279,12 @@ class Fleet:
             agent=agent,
             token_file=self._folder(pod) / "agent-token",
             timeout=120.0,
-            write_behind={"window": WRITE_WINDOW, "max_pending": 100_000, "backpressure_timeout": 120.0},
+            write_behind={
+                "record": self.record,
+                "window": WRITE_WINDOW,
+                "max_pending": 100_000,
+                "backpressure_timeout": 120.0,
+            },
         )
         agent.set_handoff_sink(core.handoff_sink)
         pod.agent, pod.core = agent, core
@@ -286,7 +296,8 @@ class Fleet:
         return [p for p in self.pods.values() if p.alive]
 
     async def put(self, pod: FleetPod, name: str | None = None) -> ObjectRef:
-        """A recorded object through the real client path (agent put + write-behind GPUObject)."""
+        """An object through the real client path (agent put + write-behind GPUObject); with the policy
+        "shared" an unnamed one stays private, unwritten, until it is shared."""
         assert pod.core is not None
         ref = await pod.core.put(torch.zeros(OBJECT_BYTES, dtype=torch.uint8), name=name)
         key = (pod.name, ref.address.object_id)
@@ -320,7 +331,7 @@ class Fleet:
             del self.referenced[key]
         await holder.core.release(ref)
 
-    async def put_shared(self, pod: FleetPod, holder: FleetPod, name: str) -> Key:
+    async def put_shared(self, pod: FleetPod, holder: FleetPod, name: str | None) -> Key:
         """Put, hand off to `holder`, drop the owner reference: the object lives by one claim."""
         ref = await self.put(pod, name)
         object_id = ref.address.object_id

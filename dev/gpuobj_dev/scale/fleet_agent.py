@@ -10,7 +10,7 @@ API server's JWKS, the store's put/free/grant and write-behind bookkeeping. Noth
 agent's bytes with NIXL (no workload of the benchmark does).
 
 The fleet (fleet.py) also plays the workload's process on top of it: `aput`, `afree`, `agrant`,
-`set_record_pending` are what `gpuobj.client.core.ClientCore` calls on a pod's agent.
+`set_record_pending`, `set_private` are what `gpuobj.client.core.ClientCore` calls on a pod's agent.
 """
 
 from __future__ import annotations
@@ -171,6 +171,11 @@ class FleetAgent:
 
     def set_record_pending(self, object_id: str, pending: bool) -> None:
         self.store.set_record_pending(object_id, pending)
+
+    def set_private(self, object_id: str, private: bool) -> None:
+        """The recording policy "shared" (docs/design.md): a held, unrecorded object is marked private in the
+        inventory, so the audit neither counts nor reclaims it. Without this member the client records all."""
+        self.store.set_private(object_id, private)
 
     def set_handoff_sink(self, sink: Any) -> None:
         self.handoff_sink = sink

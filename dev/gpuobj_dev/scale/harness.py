@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import time
@@ -17,11 +18,14 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from gpuobj_dev.cluster import FRONT_PROXY_CN
 from gpuobj_dev.scale.fleet import Fleet
 from gpuobj_dev.scale.kwok import DEFAULT_CIDR, NODE_LABEL, Kwok
+from gpuobj_dev.scale.liveview import LiveViewEndpoint, rbac
 from gpuobj_dev.testing.cluster import ClusterHandle
-from gpuobj_dev.testing.identities import Identities, operator_subject
+from gpuobj_dev.testing.identities import OPERATOR_SA, Identities, operator_subject
 from gpuobj_dev.testing.operator import OperatorProcess
+from gpuobj_dev.testing.workload import free_port
 from gpuobj_kube.client import Resource
 
 NODES = Resource("", "v1", "nodes", "Node", namespaced=False)
@@ -59,8 +63,15 @@ class ScaleHarness:
         cidrs: tuple[str, ...] = (DEFAULT_CIDR,),
         operator_args: list[str] | None = None,
         log: Callable[[str], None] = print,
+        record: str = "all",
+        live_view: bool = False,
     ) -> None:
+        """`record`: the fleet's recording policy (GPUOBJ_RECORD). `live_view`: the operator also serves the
+        live view on a loopback port (`h.live_view`), as it would behind the chart's APIService."""
         self.handle, self.namespace, self.folder = handle, namespace, Path(folder)
+        self.record = record
+        self.live_view: LiveViewEndpoint | None = None
+        self._want_live_view = live_view
         self.node_count = nodes
         self.run_id = uuid.uuid4().hex[:8]
         self.node_names = [f"kwok-{self.run_id}-{i:03d}" for i in range(nodes)]
@@ -72,6 +83,7 @@ class ScaleHarness:
         self.operator_starts = 0
         self.fleet: Fleet | None = None
         self._op_creds = None
+        self._live_view_rbac: list[tuple[str, dict]] = []
 
     # ------------------------------------------------------------ setup
 
@@ -91,6 +103,8 @@ class ScaleHarness:
         await asyncio.to_thread(self.handle.kubectl, "create", "namespace", self.namespace)
         self.identities = await asyncio.to_thread(Identities, self.handle, self.namespace, self.folder / "identities")
         self._op_creds = await asyncio.to_thread(self.identities.operator)
+        if self._want_live_view:
+            await self._setup_live_view()
         async with self.handle.client() as kube:
             for name in self.node_names:
                 await kube.create(NODES, self.kwok.node_body(name))
@@ -103,9 +117,29 @@ class ScaleHarness:
             nodes=self.node_names,
             pod_ip=self.kwok.pod_ip,
             operator_subject=operator_subject(self.namespace),
+            record=self.record,
         )
         await self.fleet.start()
         await self.start_operator()
+
+    async def _setup_live_view(self) -> None:
+        """The chart's delegated-auth bindings for the operator, its serving certificate, its flags."""
+        docs = rbac(self.namespace, OPERATOR_SA, self.run_id)
+        await asyncio.to_thread(
+            self.handle.kubectl, "apply", "-f", "-", input="\n---\n".join(json.dumps(d) for d in docs)
+        )
+        self._live_view_rbac = [(d["kind"].lower(), d["metadata"]) for d in docs]
+        port = free_port()
+        self.live_view = await asyncio.to_thread(LiveViewEndpoint.make, self.handle, self.folder, port, FRONT_PROXY_CN)
+        self.operator_args = [  # a new list: the caller's is not ours to change
+            *self.operator_args,
+            "--live-view-port",
+            str(port),
+            "--live-view-host",
+            "127.0.0.1",
+            "--live-view-cert-dir",
+            str(self.live_view.cert_dir),
+        ]
 
     async def wait_nodes_ready(self, timeout: float) -> float:
         t0 = time.monotonic()
@@ -197,6 +231,10 @@ class ScaleHarness:
             await asyncio.to_thread(
                 self.handle.kubectl, "delete", "nodes", "-l", f"{NODE_LABEL}={self.run_id}", "--wait=false", check=False
             )
+        for kind, meta in self._live_view_rbac:
+            where = ["-n", meta["namespace"]] if "namespace" in meta else []
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.handle.kubectl, "delete", kind, meta["name"], *where, check=False)
         with contextlib.suppress(Exception):
             await asyncio.to_thread(
                 self.handle.kubectl, "delete", "namespace", self.namespace, "--wait=false", check=False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import statistics
 import time
 from collections import Counter
@@ -70,12 +71,42 @@ class Ramp:
     created_per_s: float
     api_writes_per_object: float
     writes_by_resource: dict[str, float] = field(default_factory=dict)  # per object
+    private_objects: int = 0
+    shared_objects: int = 0
+    api_writes_per_private_object: float | None = None  # object writes (apimetrics.object_writes) per object
+    api_writes_per_shared_object: float | None = None
+    private_writes_by_resource: dict[str, float] = field(default_factory=dict)  # per private object
+    shared_writes_by_resource: dict[str, float] = field(default_factory=dict)  # per shared object
+    shared_refused_per_object: float | None = None  # of api_writes_per_shared_object: answered non-2xx
+    statuses_settled_s: float | None = None  # after the shared objects' writes landed
+    seconds: float = 0.0  # pods created to every status settled
+    private_s: float = 0.0  # the private puts
+    shared_s: float = 0.0  # the shared puts, until their writes landed
+    fleet_rss_mib: tuple[float, float] = (0.0, 0.0)  # the fleet process, agents up / every object put
 
 
-async def ramp(h: ScaleHarness, pods: int, objects_per_pod: int, progress: Progress) -> Ramp:
-    """`pods` pods on the kwok nodes, each putting `objects_per_pod` objects handed off to the next pod."""
+async def ramp(
+    h: ScaleHarness,
+    pods: int,
+    objects_per_pod: int,
+    progress: Progress,
+    *,
+    shared_per_pod: int | None = None,
+    settle_timeout: float | None = None,
+) -> Ramp:
+    """`pods` pods on the kwok nodes, each putting `objects_per_pod` objects that live through the run:
+    `shared_per_pod` of them (all when None) handed off to the next pod, which holds them by its claim
+    (the producer drops its own reference), the rest kept by their producer and shared with no one.
+
+    The two classes go in two phases, the private puts first, and each phase is charged the object writes
+    (gpuobj.io resources and Events, every client) the API server counted from its start until its writes
+    landed; with `settle_timeout` the shared phase also waits for every status the operator will write, so
+    its figure includes them. A private object's late write would land in the shared phase: the private
+    figure cannot hide one."""
     fleet = h.fleet
     assert fleet is not None
+    shared_n = objects_per_pod if shared_per_pod is None else max(0, min(shared_per_pod, objects_per_pod))
+    private_n = objects_per_pod - shared_n
     t0 = time.monotonic()
     made = await fleet.create_pods(pods)
     await fleet.wait_running(
@@ -84,45 +115,162 @@ async def ramp(h: ScaleHarness, pods: int, objects_per_pod: int, progress: Progr
     running_s = time.monotonic() - t0
     progress(f"{pods} pods Running with pod IPs in {running_s:.1f}s; starting their agents")
     await fleet.start_agents(made, progress=lambda n, of: progress(f"agents up {n}/{of}") if n % 100 == 0 else None)
-    before = await scrape(h)
-    t1 = time.monotonic()
+    total = pods * objects_per_pod
     done = 0
     sem = asyncio.Semaphore(64)
 
-    async def one(i: int, pod: FleetPod) -> None:
+    async def private(pod: FleetPod) -> None:
+        nonlocal done
+        async with sem:
+            for _ in range(private_n):
+                await fleet.put(pod)
+                done += 1
+
+    async def shared(i: int, pod: FleetPod) -> None:
         nonlocal done
         holder = made[(i + 1) % len(made)]
         async with sem:
-            for k in range(objects_per_pod):
-                await fleet.put_shared(pod, holder, f"{pod.name}-{k}")
+            for k in range(shared_n):
+                # Unnamed under the policy "shared", so the object is private until this share makes it shared.
+                await fleet.put_shared(pod, holder, None if fleet.record == "shared" else f"{pod.name}-{k}")
                 done += 1
 
     async def report() -> None:
         while True:
             await asyncio.sleep(15)
             pending = sum(p.core.wb.pending_writes for p in made if p.core is not None and p.core.wb is not None)
-            progress(f"put and shared {done}/{pods * objects_per_pod}, {pending} API writes queued")
+            progress(f"put {done}/{total} ({private_n} private, {shared_n} shared a pod), {pending} writes queued")
 
+    flush_timeout = max(600.0, total * 0.05)
+    rss0 = rss_mib(os.getpid())
+    before = await scrape(h)
+    t1 = time.monotonic()
     reporter = asyncio.create_task(report())
     try:
-        await asyncio.gather(*(one(i, p) for i, p in enumerate(made)))
-        progress("waiting for the write-behind queues to land")
-        await fleet.flush(timeout=max(600.0, pods * objects_per_pod * 0.05))
+        if private_n:
+            await asyncio.gather(*(private(p) for p in made))
+            await fleet.flush(timeout=flush_timeout)
+        private_s = time.monotonic() - t1
+        middle = await scrape(h)
+        t2 = time.monotonic()
+        if shared_n:
+            await asyncio.gather(*(shared(i, p) for i, p in enumerate(made)))
+            progress("waiting for the write-behind queues to land")
+            await fleet.flush(timeout=flush_timeout)
     finally:
         reporter.cancel()
     elapsed = time.monotonic() - t1
+    shared_s = time.monotonic() - t2
+    settled = await statuses_settled(h, settle_timeout, progress) if settle_timeout and shared_n else None
     after = await scrape(h)
-    objects = pods * objects_per_pod
     claims = sum(len(p.claims) for p in made)
-    window = after.minus(before)
+    window, private_w, shared_w = after.minus(before), middle.minus(before), after.minus(middle)
+    n_private, n_shared = pods * private_n, pods * shared_n
     return Ramp(
         pods,
-        objects,
+        total,
         claims,
         running_s,
-        objects / elapsed,
-        window.writes() / max(1, objects),
-        {k: v / max(1, objects) for k, v in window.writes_by_resource().items()},
+        total / elapsed,
+        window.writes() / max(1, total),
+        {k: v / max(1, total) for k, v in window.writes_by_resource().items()},
+        n_private,
+        n_shared,
+        apimetrics.per_object(private_w.object_writes(), n_private),
+        apimetrics.per_object(shared_w.object_writes(), n_shared),
+        {k: v / max(1, n_private) for k, v in private_w.object_writes_by_resource().items()},
+        {k: v / max(1, n_shared) for k, v in shared_w.object_writes_by_resource().items()},
+        apimetrics.per_object(shared_w.object_writes_refused(), n_shared),
+        settled,
+        time.monotonic() - t0,
+        private_s,
+        shared_s,
+        (rss0, rss_mib(os.getpid())),
+    )
+
+
+# ---------------------------------------------------------------- live view
+
+
+@dataclass
+class LiveView:
+    samples: int
+    lag_p99_s: float | None
+    lag_median_s: float | None
+    unseen: int  # samples not listed within the timeout
+    list_all_s: float
+    listed: int
+    expected: int  # objects the fleet's live agents hold as the list starts
+    pages: int
+    get_median_s: float | None = None  # one GET by name (the breakdown of the lag: the view's own time)
+    get_p99_s: float | None = None
+
+
+async def live_view(
+    h: ScaleHarness, samples: int, progress: Progress, *, batch: int = 10, timeout: float = 30.0
+) -> LiveView:
+    """How soon a put is listed, and how long listing every live object takes (docs/live-view.md).
+
+    Lag: `samples` new private objects, `batch` at a time on pods spread over the fleet; one reader asks for
+    each not yet seen by name (`kubectl get liveobjects NAME`), one request at a time, as one user polling
+    would, until the view has it; lag = from just before its put to the answer that listed it. (Ten readers
+    at once measured their own load: each request reads the namespace's agents once their answers are
+    older than the view's 1 s cache.) List: every live object across namespaces, page after page, against what the
+    fleet's agents hold (the samples included). The samples are released at the end (private: no write)."""
+    from gpuobj_dev.scale.liveview import LiveViewClient, object_name
+
+    fleet = h.fleet
+    assert fleet is not None and h.live_view is not None
+    alive = fleet.alive()
+    step = max(1, len(alive) // max(1, samples))
+    chosen = [alive[(i * step) % len(alive)] for i in range(samples)]
+    lags: list[float] = []
+    unseen = 0
+    put: list[tuple[FleetPod, str]] = []
+    gets: list[float] = []
+    async with LiveViewClient(h.live_view) as view:
+
+        async def sample(pod: FleetPod) -> tuple[str, float]:
+            t0 = time.monotonic()
+            ref = await fleet.put(pod)
+            put.append((pod, ref.address.object_id))
+            return object_name(pod.name, ref.address.object_id), t0
+
+        try:
+            for i in range(0, len(chosen), batch):
+                waiting = dict(await asyncio.gather(*(sample(p) for p in chosen[i : i + batch])))
+                while waiting:
+                    for name, t0 in list(waiting.items()):
+                        asked = time.monotonic()
+                        listed_now = await view.has(h.namespace, name)
+                        gets.append(time.monotonic() - asked)
+                        if listed_now:
+                            lags.append(time.monotonic() - t0)
+                            del waiting[name]
+                        elif time.monotonic() - t0 > timeout:
+                            unseen += 1
+                            del waiting[name]
+                    await asyncio.sleep(0.05)
+            progress(f"live view: {len(lags)}/{len(chosen)} samples listed, p99 {_fmt(p99(lags))} s")
+            # The samples stay until everything is listed: nothing the view may still cache has gone.
+            expected = len(fleet.held())
+            listed, pages, seconds = await view.list_all()
+        finally:
+            for pod, object_id in put:
+                if pod.alive and object_id in pod.owned:
+                    await fleet.release_owner(pod, object_id)
+    progress(f"live view: listed {listed} objects ({expected} held) in {pages} pages, {seconds:.2f}s")
+    return LiveView(
+        len(chosen),
+        p99(lags),
+        statistics.median(lags) if lags else None,
+        unseen,
+        seconds,
+        listed,
+        expected,
+        pages,
+        statistics.median(gets) if gets else None,
+        p99(gets),
     )
 
 
@@ -358,7 +506,8 @@ class Churn:
 
 
 async def churn(h: ScaleHarness, rates: list[float], step_seconds: float, hold: float, progress: Progress) -> Churn:
-    """Recorded lifecycles (put, held `hold` s past the write-behind window, released) at rising rates."""
+    """Recorded lifecycles (a named put, held `hold` s past the write-behind window, released) at rising
+    rates."""
     fleet = h.fleet
     assert fleet is not None
     out = Churn()
@@ -368,8 +517,10 @@ async def churn(h: ScaleHarness, rates: list[float], step_seconds: float, hold: 
         tasks: set[asyncio.Task] = set()
         before = await scrape(h)
 
-        async def lifecycle(pod: FleetPod, keys: list[Key] = keys) -> None:
-            ref = await fleet.put(pod)
+        async def lifecycle(pod: FleetPod, i: int, keys: list[Key] = keys, rate: float = rate) -> None:
+            # Named, so recorded under either policy: an unnamed object nobody shares is private under
+            # "shared" and makes no write at all, which is not the lifecycle this step measures.
+            ref = await fleet.put(pod, f"churn-{rate:g}-{i}")
             keys.append((pod.name, ref.address.object_id))
             await asyncio.sleep(hold)
             await fleet.release_owner(pod, ref.address.object_id)
@@ -380,7 +531,7 @@ async def churn(h: ScaleHarness, rates: list[float], step_seconds: float, hold: 
             due = t0 + i / rate
             if (wait := due - time.monotonic()) > 0:
                 await asyncio.sleep(wait)
-            task = asyncio.create_task(lifecycle(pods[i % len(pods)]))
+            task = asyncio.create_task(lifecycle(pods[i % len(pods)], i))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         launched = time.monotonic() - t0
