@@ -6,7 +6,9 @@ Why the steps are what they are:
    free the object, so our readers are never stale. A freed or unknown object is a clean
    404 here, before any transfer; an unreachable source is a clean connection error.
 2. Load the metadata into our reader NIXL agent (cached per source; agents the source
-   reports retired, or that disconnected, are dropped) and READ on a transfer thread, so
+   reports retired, or that disconnected, are dropped: a ticket or a new grant lists the
+   source's live agents, so a reader holds a few per source, not one per version the fence
+   retired) and READ on a transfer thread, so
    the event loop (and the control server on it) never waits for data (docs/design.md, "out-of-order deadlock"). CPU
    destinations are carved from registered, pre-faulted landing buffers (buffers.py).
    Every wait has a deadline; cancellation aborts the transfer.
@@ -168,6 +170,7 @@ class Fetcher:
         self.default_timeout = default_timeout
         self._session: aiohttp.ClientSession | None = None
         self._sources: dict[str, tuple[str, set[str]]] = {}  # endpoint -> (incarnation, loaded agent names)
+        self._grant_gens: dict[str, tuple[str, int]] = {}  # endpoint -> (incarnation, newest grant's generation)
         self._enders: set[asyncio.Task] = set()
         self._direct_lock = threading.Lock()
         self._direct_loaded: dict[str, set[int]] = {}  # remote agent -> metadata blobs loaded by direct reads
@@ -201,8 +204,10 @@ class Fetcher:
         if self._session is not None:
             await self._session.close()
             self._session = None
-        names = [n for _, loaded in self._sources.values() for n in loaded]
-        self._sources.clear()
+        with self._direct_lock:
+            names = [n for _, loaded in self._sources.values() for n in loaded]
+            self._sources.clear()
+            self._grant_gens.clear()
         if names:
             await asyncio.get_running_loop().run_in_executor(self._transfers, self._forget, names)
 
@@ -215,7 +220,8 @@ class Fetcher:
 
     @property
     def cached_agents(self) -> int:
-        return sum(len(loaded) for _, loaded in self._sources.values())
+        with self._direct_lock:
+            return sum(len(loaded) for _, loaded in self._sources.values())
 
     # -- fetch -------------------------------------------------------------------------
     async def fetch(
@@ -489,6 +495,9 @@ class Fetcher:
         layouts, spans, agent = list(parsed.tensors), self._spans(parsed), parsed.nixl_agent
         metadata = self._metadata(endpoint, parsed)
         nbytes = sum(la.nbytes for la in layouts)
+        # Once per grant, so once per version: forget the source's agents it no longer lists as live (the fence
+        # destroyed them); without this a reader reading in its own thread kept one per version loaded forever.
+        self._forget(self._note_grant(endpoint, parsed, agent if any(spans) else None))
         entry = _GrantEntry(
             grant,
             layouts,
@@ -680,27 +689,53 @@ class Fetcher:
                     self._announced.pop(agent, None)
 
     def _note_source(self, endpoint: str, incarnation: str, live: set[str], agent: str | None) -> list[str]:
-        """Update the cache; return agents to forget (retired, or of an earlier incarnation)."""
-        old_inc, loaded = self._sources.get(endpoint, (incarnation, set()))
-        if old_inc != incarnation:
-            forget, loaded = list(loaded), set()
-        else:
-            forget = [n for n in loaded if n not in live]
-            loaded = {n for n in loaded if n in live}
-        if agent is not None:
-            loaded.add(agent)
-        self._sources[endpoint] = (incarnation, loaded)
-        return forget
+        """Update the cache; return agents to forget (retired, or of an earlier incarnation).
+
+        O(agents loaded from this source), which this keeps to the few the source has live: the fence
+        retires one per read version. Called from the loop and, for grants, from readers' own threads."""
+        with self._direct_lock:
+            old_inc, loaded = self._sources.get(endpoint, (incarnation, set()))
+            if old_inc != incarnation:
+                forget, loaded = list(loaded), set()
+            else:
+                forget = [n for n in loaded if n not in live]
+                loaded = {n for n in loaded if n in live}
+            if agent is not None:
+                loaded.add(agent)
+            self._sources[endpoint] = (incarnation, loaded)
+            return forget
+
+    def _note_grant(self, endpoint: str, grant: api.ReadTicket, agent: str | None) -> list[str]:
+        """`_note_source` for a grant parsed for the first time; returns the agents to forget.
+
+        Only the newest grant of a source incarnation speaks for its live agents: an older one parsed late (a
+        hand-off held a while) predates agents the reader may have loaded since, so it only adds its own."""
+        gen = grant.generation
+        with self._direct_lock:
+            inc, newest = self._grant_gens.get(endpoint, ("", -1))
+            current = gen is not None and (inc != grant.incarnation or gen >= newest)
+            if current:
+                assert gen is not None
+                self._grant_gens[endpoint] = (grant.incarnation, gen)
+            elif endpoint in self._sources and self._sources[endpoint][0] == grant.incarnation:
+                if agent is not None:
+                    self._sources[endpoint][1].add(agent)
+                return []
+        live = set(grant.live_agents) | ({agent} if agent else set())
+        return self._note_source(endpoint, grant.incarnation, live, agent)
 
     def _drop_agent(self, endpoint: str, agent: str) -> None:
-        entry = self._sources.get(endpoint)
-        if entry is not None:
-            entry[1].discard(agent)
+        with self._direct_lock:
+            entry = self._sources.get(endpoint)
+            if entry is not None:
+                entry[1].discard(agent)
         self._transfers.submit(self._forget, [agent])
 
     def forget_source(self, endpoint: str) -> None:
         """The source went away: drop every agent of it we cached."""
-        entry = self._sources.pop(endpoint, None)
+        with self._direct_lock:
+            entry = self._sources.pop(endpoint, None)
+            self._grant_gens.pop(endpoint, None)
         if entry and entry[1]:
             self._transfers.submit(self._forget, list(entry[1]))
 

@@ -190,6 +190,37 @@ def test_a_readers_first_fetch_of_a_version_finds_its_agent_connected_and_the_pu
     settle(dst.stats)
 
 
+def test_a_reader_forgets_each_retired_version_agent_so_its_loaded_remote_agents_stay_bounded(make_runtime):
+    """Issue 31: the fence retires one source NIXL agent per read version; a reader reading with grants in the
+    calling thread (the client's weight-sync path) kept every one of them loaded in its NIXL agent, one more
+    per version, forever. A new grant lists the source's live agents: the reader forgets those it no longer
+    lists. Over many versions at most the current version's agent, the one before (its retirement not yet
+    heard of) and the announced spare stay loaded, as NIXL itself reports them."""
+    src, dst = make_runtime("src"), make_runtime("dst")
+    reader = dst.agent.fetcher.reader
+    pub = Publisher(src)
+    seen: list[str] = []
+    for version in range(1, 13):
+        pub.publish(f"v{version}", state_dict(version))
+        wait_ahead(src)
+        grant = asyncio.run(src.agrant(f"v{version}"))
+        seen += [n for n in (grant["nixlAgent"], grant.get("nextAgent")) if n and n not in seen]
+        got = unpack(pub.entries[f"v{version}"], dst.fetch_granted_direct(src.endpoint, f"v{version}", grant))
+        assert torch.equal(raw(got["layers.5.w"]), raw(state_dict(version)["layers.5.w"]))
+        del got
+        gc.collect()
+        wait_until(lambda v=version: dst.stats()["connectedAhead"] >= v, "connected to the announced spare", 30)
+        if version > 1:
+            assert src.free(f"v{version - 1}")["freed"]
+        loaded = [n for n in seen if reader._a().check_remote_metadata(n)]
+        assert len(loaded) <= 3, f"version {version}: {len(loaded)} source agents still loaded: {loaded}"
+    assert len(seen) >= 12
+    assert dst.stats()["cachedRemoteAgents"] <= 2
+    assert src.free("v12")["freed"]
+    assert_only_pool_parked(wait_ahead(src), 2)
+    settle(dst.stats)
+
+
 def test_a_state_dict_at_the_tensor_limit_round_trips_in_one_region(make_runtime):
     """A model with as many parameters as an object may hold (2,048: more than a 405B Llama-style model's
     1,137) is one region and one read; every tensor comes back with its name and bytes."""
