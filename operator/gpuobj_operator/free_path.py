@@ -45,7 +45,7 @@ Emit = Callable[[str, Key, str, str, str, str], None]
 
 
 class FreePath:
-    # The in-order claims watch's progress (main.py wires the claims Informer's); None: always read.
+    # The in-order claims watch's progress (term.py wires the claims Informer's); None: always read.
     claims_watermark: claimcheck.Watermark | None = None
     # Written to move that watch past a deletion no claim event follows (progress_marker.py); None: reads only.
     progress_marker: ProgressMarker | None = None

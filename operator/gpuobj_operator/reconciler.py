@@ -54,11 +54,16 @@ from gpuobj_operator.quota import QuotaBook
 from gpuobj_operator.settings import Settings
 from gpuobj_operator.workqueue import WorkQueue
 
-__all__ = ["LABEL_AGENT_SELECTOR", "Reconciler", "RetryLater"]
+__all__ = ["LABEL_AGENT_SELECTOR", "Reconciler", "RetryLater", "new_ledger"]
 
 log = logging.getLogger("gpuobj.operator")
 
 WorkItem = tuple[str, Key]
+
+
+def new_ledger(settings: Settings) -> Ledger:
+    """An empty ledger with the settings' quotas and claim ttls: each term as leader starts from one."""
+    return Ledger(quota=QuotaBook(settings.quota), claim_ttl=settings.claim_ttl)
 
 
 class Reconciler:
@@ -75,10 +80,11 @@ class Reconciler:
         settings: Settings | None = None,
         *,
         may_act: Callable[[], bool] | None = None,
+        ledger: Ledger | None = None,
     ) -> None:
         self.settings = settings = settings or Settings()
         self.kube, self.agents, self.metrics, self.events = kube, agents, metrics, events
-        self.ledger = Ledger(quota=QuotaBook(settings.quota), claim_ttl=settings.claim_ttl)
+        self.ledger = ledger if ledger is not None else new_ledger(settings)
         # Retries back off to 5 s at most: after an API outage every item is tried again within seconds.
         self.queue: WorkQueue[WorkItem] = WorkQueue(max_delay=5.0)
         self.expected = Expectations()

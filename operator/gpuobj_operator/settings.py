@@ -1,4 +1,4 @@
-"""The operator's tunables in one place: what main.py reads from its flags, and what the reconciler,
+"""The operator's tunables in one place: what flags.py reads from the command line, and what the reconciler,
 its free path, its prober and the auditor run with. Defaults are the production ones."""
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ gpuobj-claims-progress
 
 {{/*
 The operator's rules on workload objects: derived from operator/gpuobj_operator (reconciler.py,
-free_path.py, events.py, main.py) and the informers of kube/gpuobj_kube/informer.py. Watches and lists
+free_path.py, events.py, term.py) and the informers of kube/gpuobj_kube/informer.py. Watches and lists
 (one informer per kind), reads, finalizer and ownerReference patches, status patches, deletes of
 objects and claims it settles, Events it posts (and patches: a repeat's count). Nothing on Secrets,
 CRDs or namespaces: it watches only the kinds it names.

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from gpuobj_contract import names
-from gpuobj_operator.main import build_parser
+from gpuobj_operator.flags import build_parser
 from tests.e2e.deploy import chart_docs
 from tests.e2e.deploy.support import (
     ALL_FEATURES,
@@ -206,7 +206,7 @@ def test_operator_deployment_runs_one_hardened_replica_with_the_operators_flags(
     assert f"--token-file={token_file}" in args
     assert "--lease-namespace=$(POD_NAMESPACE)" in args and "--identity=$(POD_NAME)" in args
     assert "--namespace=ml" in args and "--log-level=DEBUG" in args and "--metrics-port=8080" in args
-    # Every flag exists in the operator's parser (operator/gpuobj_operator/main.py) and means what the chart says.
+    # Every flag exists in the operator's parser (operator/gpuobj_operator/flags.py) and means what the chart says.
     parsed = build_parser().parse_args(
         [a.replace("$(POD_NAMESPACE)", "gpuobj-test").replace("$(POD_NAME)", "op-0") for a in args]
     )

@@ -29,7 +29,7 @@ from gpuobj_dev.testing.pods import create_agent_pod, delete_pod
 from gpuobj_dev.testing.workload import WorkloadProcess, free_port
 from tests.conftest import failed
 
-# Fast enough for tests; the production defaults are in operator/gpuobj_operator/main.py.
+# Fast enough for tests; the production defaults are in operator/gpuobj_operator/flags.py.
 FAST_ARGS = [
     "--audit-interval",
     "0.5",

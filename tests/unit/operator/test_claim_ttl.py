@@ -13,8 +13,8 @@ import pytest
 from gpuobj_operator.actions import DeleteClaim, Requeue
 from gpuobj_operator.claim_ttl import ClaimTTLDefaults, age_bucket, parse_duration, parse_namespace_claim_ttl
 from gpuobj_operator.decisions import decide_claim
+from gpuobj_operator.flags import build_parser, settings_from
 from gpuobj_operator.ledger import Ledger
-from gpuobj_operator.main import build_parser, settings_from
 from gpuobj_operator.metrics import claim_age_families
 from gpuobj_operator.model import ClaimInfo, ObjectInfo, PodInfo
 

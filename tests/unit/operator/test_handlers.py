@@ -17,7 +17,7 @@ def test_the_operator_imports_no_watch_framework_that_runs_handlers_in_threads()
 
 
 def test_every_watch_of_the_operator_is_an_informer_with_plain_handlers() -> None:
-    # The handlers the operator gives its informers (main.lead, signer.py): plain functions, on the loop.
+    # The handlers the operator gives its informers (term.py, signer.py): plain functions, on the loop.
     import inspect
 
     from gpuobj_operator.intake import Intake
@@ -32,7 +32,7 @@ def test_a_terms_stop_steps_run_to_their_end() -> None:
     # workers went on acting beside the next term's (each free logged once per term ever led).
     import asyncio
 
-    from gpuobj_operator.main import run_within
+    from gpuobj_operator.term import run_within
 
     ran: list[str] = []
 

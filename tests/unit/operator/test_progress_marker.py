@@ -14,7 +14,8 @@ import pytest
 
 from gpuobj_kube.client import ApiError
 from gpuobj_operator.claimcheck import Watermark
-from gpuobj_operator.main import build_parser, main, progress_marker_namespace
+from gpuobj_operator.flags import build_parser, progress_marker_namespace
+from gpuobj_operator.main import main
 from gpuobj_operator.progress_marker import MarkerMisconfigured, ProgressMarker, marker_manifest, marker_namespace
 
 WAIT = 5.0  # seconds: every wait in these tests ends long before, or the test fails

@@ -16,8 +16,8 @@ from gpuobj_contract import names
 from gpuobj_contract import resources as crd
 from gpuobj_operator.actions import DeleteClaim, DeleteObject, Emit, Free, Materialize, PatchObjectStatus
 from gpuobj_operator.decisions import decide_object
+from gpuobj_operator.flags import build_parser, settings_from
 from gpuobj_operator.ledger import Ledger
-from gpuobj_operator.main import build_parser, settings_from
 from gpuobj_operator.metrics import OperatorMetrics
 from gpuobj_operator.model import ClaimInfo, ObjectInfo, PodInfo
 from gpuobj_operator.quota import QuotaBook, QuotaLimits, parse_bytes, parse_namespace_quota

@@ -203,7 +203,7 @@ def test_a_signer_that_cannot_watch_fails_healthz_naming_itself() -> None:
     import aiohttp
 
     from gpuobj_kube.client import ApiError
-    from gpuobj_operator.main import HealthServer
+    from gpuobj_operator.health import HealthServer
     from gpuobj_operator.metrics import OperatorMetrics
     from gpuobj_operator.signer import Signer
 
