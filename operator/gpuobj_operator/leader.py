@@ -142,7 +142,10 @@ class LeaderElector:
     async def _attempt(self) -> bool:
         sent = time.monotonic()
         try:
-            ok = await asyncio.wait_for(self.try_acquire(), timeout=self.config.renew_seconds)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns a renewal that finished as a
+            # cancel arrived and swallows the cancel, so a shutdown found the renewal loop still running.
+            async with asyncio.timeout(self.config.renew_seconds):
+                ok = await self.try_acquire()
             if ok:
                 self._held_until = sent + self.config.lease_seconds
             return ok

@@ -77,7 +77,8 @@ class Prober:
             if asked:
                 timeout = max(0.005, min(timeout, min(asked) - time.monotonic()))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), timeout=timeout)
+                async with asyncio.timeout(timeout):  # not wait_for: on 3.11 it may swallow a shutdown's cancel
+                    await wake.wait()
 
     def probe_soon(self, pod: Key) -> None:
         """Probe this pod's agent now: a share just named it, and the process alive now is the one the

@@ -84,3 +84,33 @@ def test_retries_back_off_to_a_bound_and_start_over_after_a_term() -> None:
     assert [b.next() for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
     b.reset()
     assert b.next() == 0.5
+
+
+def test_a_cancel_that_arrives_as_a_renewal_completes_stops_the_renewal_loop() -> None:
+    """Shutdown cancels `hold` while a renewal may be finishing. Python 3.11's asyncio.wait_for returned
+    the finished renewal's result and swallowed that cancel, so the loop renewed on and the term ended
+    as stuck ("did not stop: lease renewal"); the renewal's timeout must let the cancel through."""
+    e = LeaderElector(None, LeaseConfig(lease_seconds=30, renew_seconds=0.01))  # type: ignore[arg-type]
+    e.is_leader = True
+    renewals = 0
+
+    async def main() -> None:
+        task: asyncio.Task[None] | None = None
+
+        async def try_acquire() -> bool:
+            nonlocal renewals
+            renewals += 1
+            assert task is not None
+            task.cancel()  # the cancel arrives while the renewal is in flight, and the renewal then succeeds
+            return True
+
+        e.try_acquire = try_acquire  # type: ignore[method-assign]
+        task = asyncio.create_task(e.hold())
+        done, _ = await asyncio.wait({task}, timeout=2)
+        if not done:
+            task.cancel()
+        assert done, f"hold() still renewing after the cancel ({renewals} renewals)"
+        assert task.cancelled()
+
+    asyncio.run(main())
+    assert renewals == 1
