@@ -99,6 +99,7 @@ class Agent:
         # One NIXL state, handed to both the store (puts, frees) and the fencer (rotations, retirements).
         self.nixl = NixlState(self.base_name, control=self._control, metrics=self.metrics)
         self.store = ObjectStore(config, self.metrics, nixl=self.nixl, incarnation=self.incarnation)
+        self.reads = self.store.reads  # tickets, grants, read ends (reads.py): the read routes' side
         self.fencer = Fencer(
             self.store, self.nixl, config, self.metrics, lifecycle=self._lifecycle, agent_factory=self._new_nixl_agent
         )
@@ -171,7 +172,7 @@ class Agent:
         if self.certificate is not None:
             cert = self.certificate
             self.fetcher.tls = lambda: cert.client_context
-        self.store.start_pump()
+        self.reads.start_pump()
         self._trim_task = asyncio.create_task(self._trim(), name="gpuobj-landing-trim")
         app = build_app(self, self._extra_routes)
         self._runner = web.AppRunner(
@@ -204,9 +205,10 @@ class Agent:
                 await self._trim_task
         if self.fetcher is not None:
             await self.fetcher.close()
-        if not await store.wait_tickets(lambda: store.tickets.inflight() == 0, self.config.shutdown_grace):
-            log.warning("stopping with %d read(s) still in flight", store.tickets.inflight())
-        await store.stop_pump()
+        tickets = self.reads.tickets
+        if not await self.reads.wait_tickets(lambda: tickets.inflight() == 0, self.config.shutdown_grace):
+            log.warning("stopping with %d read(s) still in flight", tickets.inflight())
+        await self.reads.stop_pump()
         await store.release_all()
         await self.fencer.close()
         await self.tokens.close()
@@ -270,7 +272,7 @@ class Agent:
             "landingIdleBytes": self.pool.idle_bytes if self.pool else 0,
             "landingRegistrations": self.pool.registrations if self.pool else 0,
             "landingDeregistrations": self.pool.deregistrations if self.pool else 0,
-            "inflightReads": store.tickets.inflight(),
+            "inflightReads": self.reads.tickets.inflight(),
             "quarantinedBytes": nixl.quarantine.bytes,
             "generations": len(nixl.gens),
             "rotations": nixl.gens.retired_count,

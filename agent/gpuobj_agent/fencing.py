@@ -54,7 +54,7 @@ gpuobj_agent_quarantine_seconds.
 Costs: a spare agent kept ready, and a tenured one once objects live long; each agent is
 about 5 MiB and, with the 1 ms progress poll (nixl_transport.py), 1.6% of a core. A process
 that puts pooled regions (state dicts) also keeps PRIVATE_SPARES private agents ready, each
-announced to readers before a region is registered in it (store.py, docs/weight-sync.md). A
+announced to readers before a region is registered in it (reads.py, docs/weight-sync.md). A
 rotation costs 20-60 ms of CPU on a background thread.
 
 Limits (measured or unmeasurable here):
@@ -130,7 +130,7 @@ class Fencer:
         agent_factory: Callable[[str], NixlAgent],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.store = store  # read here: its objects (to move them), tickets (to wait for reads) and closing
+        self.store = store  # read here: its objects (to move them), read tickets (store.reads) and closing
         self.nixl = nixl  # shared with the store: what each NIXL agent holds, the lock, the requests to serve
         self.config = config
         self.metrics = metrics
@@ -145,7 +145,7 @@ class Fencer:
         self._spare_task: asyncio.Task | None = None
         self._spare_failed_at: float | None = None
         self._stopping = False
-        # Private agents for pooled regions (store.py): PRIVATE_SPARES kept ready, oldest first, so that a
+        # Private agents for pooled regions (pooled.py): PRIVATE_SPARES kept ready, oldest first, so that a
         # region rarely waits for one, and the one taken next was announced to readers while ready
         # (`ready_private`) even when versions come faster than an agent is made (20-150 ms).
         self._private_spares: collections.deque[Generation] = collections.deque()
@@ -350,13 +350,13 @@ class Fencer:
                 and self._spare is not None
             ):
                 waits.append(0.0)  # objects wait to move and the tenured lane can open now
-            nxt = self.store.tickets.next_deadline()
+            nxt = self.store.reads.tickets.next_deadline()
             if nxt is not None:
                 waits.append(max(0.0, nxt - now))
         return min(waits)
 
     async def _step(self) -> None:
-        await self.store.expire_leases()
+        await self.store.reads.expire_leases()
         if not self.store.closing:
             for lane in LANES:
                 if self._due(lane, self._clock()) == 0.0:
@@ -381,9 +381,9 @@ class Fencer:
 
     async def _drain(self, gen: Generation) -> None:
         """Move a sealed agent's live objects out, deregister what no ticket reads, then destroy it."""
-        store, nixl = self.store, self.nixl
+        tickets, nixl = self.store.reads.tickets, self.nixl
         await self._migrate(gen)
-        reading = store.tickets.objects_reading(gen.gid)
+        reading = tickets.objects_reading(gen.gid)
         done = [oid for oid in gen.migrated if oid not in reading]
         if done:
             async with nixl.lock:
@@ -393,12 +393,12 @@ class Fencer:
                     gen.migrated.discard(oid)
                 if keys:
                     await nixl.deregister(gen.gid, keys)
-        if not nixl.members.get(gen.gid) and not store.tickets.inflight(gid=gen.gid):
+        if not nixl.members.get(gen.gid) and not tickets.inflight(gid=gen.gid):
             async with nixl.lock:  # freed regions parked here until the fence (registrations.py)
                 parked = nixl.ledger.parked(gen.gid)
                 if parked:
                     await nixl.deregister(gen.gid, parked)
-        if nixl.members.get(gen.gid) or nixl.ledger.count(gen.gid) or store.tickets.inflight(gid=gen.gid):
+        if nixl.members.get(gen.gid) or nixl.ledger.count(gen.gid) or tickets.inflight(gid=gen.gid):
             return
         async with nixl.lock:
             nixl.retire_generation(gen.gid)

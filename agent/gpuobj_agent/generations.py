@@ -6,7 +6,7 @@ Exactly one generation is ACTIVE (new registrations go there); SEALED generation
 none, their live objects are moved to the active one, and once nothing is registered in
 them and no ticket reads from them they are RETIRED (agent destroyed).
 
-A PRIVATE generation serves one pooled region only (a weight-sync pack buffer, store.py): it never
+A PRIVATE generation serves one pooled region only (a weight-sync pack buffer, pooled.py): it never
 takes other registrations, is never sealed or drained, and is retired by the free of the version in
 it when a reader was handed its key, before the buffer is reused. Plain Python.
 """
@@ -42,7 +42,7 @@ class Generation:
     retired_at: float | None = None
     migrated: set[str] = field(default_factory=set)  # objects moved out, whose registration here drains
     # A private spare's connection info alone (base64 NIXL partial metadata naming no region), announced to
-    # readers before a version is registered in it (store.py): set when the spare is made.
+    # readers before a version is registered in it (reads.py): set when the spare is made.
     announce: str | None = None
 
 

@@ -52,18 +52,18 @@ class NixlState:
         self._forced: list[asyncio.Future] = []
         self._urgent: set[int] = set()  # generations someone waits to see fenced: rotate without batching
         self._retired: dict[int, asyncio.Event] = {}
-        # Private NIXL agents for pooled regions (store.py), made and destroyed by the fencer, which sets
+        # Private NIXL agents for pooled regions (pooled.py), made and destroyed by the fencer, which sets
         # these at its construction: `new_private` returns a fresh agent in no lane (not yet added here),
         # `destroy` tears one down on the lifecycle thread.
         self.new_private: Callable[[], Awaitable[Generation]] | None = None
         self.destroy: Callable[[Generation], Awaitable[None]] | None = None
-        # The private agent `new_private` will return next, if ready (announced to readers ahead, store.py).
+        # The private agent `new_private` will return next, if ready (announced to readers ahead, reads.py).
         self.next_private: Callable[[], Generation | None] = lambda: None
         # Pooled regions parked in their private agent, never handed to a reader: the next version in the
         # same buffer is put there with no registration. regions -> generation id.
         self.pooled_parked: dict[tuple[RegionKey, ...], int] = {}
         # Regions registered ahead of a put, in a spare private agent, after the free that fenced the
-        # version before (store.py): off every version's path. Counted apart from `ledger.registrations`
+        # version before (pooled.py): off every version's path. Counted apart from `ledger.registrations`
         # (which counts them too), so "registrations on a put's path" = the difference.
         self.registered_ahead = 0
 

@@ -26,8 +26,8 @@ from gpuobj_agent.auth import ServiceAccountAuth
 from gpuobj_agent.config import AgentConfig
 from gpuobj_agent.fetch import Piece
 from gpuobj_agent.layouts import TensorLayout
-from gpuobj_agent.store import StoredObject
-from gpuobj_agent.store import iso_time as _iso
+from gpuobj_agent.objects import StoredObject
+from gpuobj_agent.objects import iso_time as _iso
 
 T = TypeVar("T")
 
@@ -227,6 +227,12 @@ class AgentRuntime:
             endpoint, object_id, device=device, token=token, timeout=timeout, pod_uid=pod_uid, select=select
         )
 
+    async def _free(self, object_id: str, wait_fence: bool) -> dict[str, Any]:
+        return (await self.agent.store.free(object_id, wait_fence=wait_fence)).to_json()
+
+    async def _grant(self, object_id: str) -> dict[str, Any]:
+        return (await self.agent.reads.grant(object_id)).to_json()
+
     async def _inventory(self) -> dict[str, Any]:
         return self.agent.inventory().to_json()
 
@@ -278,7 +284,7 @@ class AgentRuntime:
 
     def free(self, object_id: str, *, wait_fence: bool = False, timeout: float | None = None) -> dict[str, Any]:
         """Free an object held here (idempotent); what the operator does over HTTP."""
-        return self._call(self.agent.store.free(object_id, wait_fence=wait_fence), timeout)
+        return self._call(self._free(object_id, wait_fence), timeout)
 
     def set_record_pending(self, object_id: str, pending: bool) -> None:
         """From the embedding client's write-behind: whether the object's GPUObject is still unrecorded."""
@@ -289,7 +295,7 @@ class AgentRuntime:
         self.agent.store.set_private(object_id, private)
 
     async def afree(self, object_id: str, *, wait_fence: bool = False) -> dict[str, Any]:
-        return await self._acall(self.agent.store.free(object_id, wait_fence=wait_fence))
+        return await self._acall(self._free(object_id, wait_fence))
 
     def fetch(
         self,
@@ -320,8 +326,8 @@ class AgentRuntime:
         return await self._acall(self._fetch(endpoint, object_id, device, token, timeout, pod_uid, select))
 
     async def agrant(self, object_id: str) -> dict[str, Any]:
-        """A read grant for an object held here (store.grant), to embed in a hand-off."""
-        return await self._acall(self.agent.store.grant(object_id))
+        """A read grant for an object held here (reads.Reads.grant), to embed in a hand-off (as JSON: it travels)."""
+        return await self._acall(self._grant(object_id))
 
     async def afetch_granted(
         self,

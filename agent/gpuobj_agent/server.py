@@ -1,6 +1,7 @@
 """The control server: the agent's HTTP/1.1 JSON API (docs/agent-api.md).
 
-Why it is thin: handlers parse and validate input, call the store, and shape JSON. They
+Why it is thin: handlers parse and validate input, call the store or its read side, and turn the
+contract's typed answers into JSON (the only place the agent does: JSON only at the server edge). They
 never wait on NIXL data (transfers happen on the reader's side, on threads), so metadata
 and tickets are always served promptly, whatever transfers are running (docs/design.md, "out-of-order deadlock").
 Every `/v1/` route needs the caller's projected ServiceAccount token (gpuobj_agent.auth): the
@@ -25,7 +26,7 @@ from gpuobj_agent.config import AgentConfig
 from gpuobj_agent.errors import AgentError, BadRequest, Conflict, NotReady, ObjectNotFound, Unauthorized
 from gpuobj_agent.layouts import TensorLayout
 from gpuobj_agent.metrics import AgentMetrics
-from gpuobj_agent.store import check_id, check_stream
+from gpuobj_agent.objects import check_id, check_stream
 from gpuobj_contract import agent_api as api
 from gpuobj_contract import agent_tls, names, patterns
 
@@ -53,7 +54,7 @@ class Objects(Protocol):
     @property
     def active_nixl_agent(self) -> str | None: ...
 
-    def describe(self, object_id: str) -> dict[str, Any]: ...
+    def describe(self, object_id: str) -> api.ObjectDescription: ...
 
     def shared_with(self, object_id: str) -> frozenset[str]: ...
 
@@ -68,13 +69,17 @@ class Objects(Protocol):
         shared_with: Sequence[str] = (),
     ) -> tuple[bool, Describable]: ...
 
-    async def begin_read(self, object_id: str, reader: str) -> dict[str, Any]: ...
+    async def free(self, object_id: str, *, reason: str | None = None, wait_fence: bool = False) -> api.FreeAnswer: ...
 
-    async def end_read(self, read_id: str) -> dict[str, Any]: ...
+    async def free_stream(self, stream: str) -> api.StreamFreeAnswer: ...
 
-    async def free(self, object_id: str, *, reason: str | None = None, wait_fence: bool = False) -> dict[str, Any]: ...
 
-    async def free_stream(self, stream: str) -> dict[str, Any]: ...
+class Reading(Protocol):
+    """What the read routes call on the store's read side (reads.Reads)."""
+
+    async def begin_read(self, object_id: str, reader: str) -> api.ReadTicket: ...
+
+    async def end_read(self, read_id: str) -> api.ReadEndAnswer: ...
 
     def read_taken_by(self, read_id: str) -> str | None: ...
 
@@ -98,6 +103,9 @@ class Served(Protocol):
     def store(self) -> Objects: ...
 
     @property
+    def reads(self) -> Reading: ...  # the store's read side
+
+    @property
     def handoff_sink(self) -> Callable[[str, str], Awaitable[bool]] | None: ...  # (claim, releasing pod)
 
     def info(self) -> api.AgentInfo: ...
@@ -108,7 +116,7 @@ class Served(Protocol):
 MAX_BODY = 1 << 20
 AGENT_KEY = web.AppKey("gpuobj_agent", object)  # the Served agent (extra routes, e.g. the test workload's, use more)
 ROLES_KEY = web.AppKey("gpuobj_roles", dict)  # (method, route) -> "operator" | "reader"
-CALLER = web.RequestKey("gpuobj_caller", object)  # the verified Caller
+CALLER = web.RequestKey("gpuobj_caller", Caller)  # the verified caller
 OPEN_PATHS = tuple(route.template for route in api.OPEN_ROUTES)
 OPERATOR, READER = "operator", "reader"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -234,6 +242,7 @@ class Routes:
     def __init__(self, agent: Served) -> None:
         self.agent = agent
         self.store = agent.store
+        self.reads = agent.reads
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response(api.HealthAnswer("ok").to_json())
@@ -274,7 +283,7 @@ class Routes:
         return web.json_response(answer.to_json())
 
     async def get_object(self, request: web.Request) -> web.Response:
-        return web.json_response(self.store.describe(check_id(request.match_info["id"])))
+        return web.json_response(self.store.describe(check_id(request.match_info["id"])).to_json())
 
     async def put_object(self, request: web.Request) -> web.Response:
         object_id = check_id(request.match_info["id"])
@@ -300,7 +309,8 @@ class Routes:
         self._authorize_read(caller, object_id)
         if not self.store.ready:
             raise NotReady("the agent is stopping")
-        return web.json_response(await self.store.begin_read(object_id, caller.pod or caller.subject))
+        ticket = await self.reads.begin_read(object_id, caller.pod or caller.subject)
+        return web.json_response(ticket.to_json())
 
     def _authorize_read(self, caller: Caller, object_id: str) -> None:
         """Namespaces are the tenancy boundary: the source's own, or one the object grants.
@@ -319,15 +329,16 @@ class Routes:
         end would have the free pull the memory from under a read that still counts as valid."""
         read_id = check_id(request.match_info["read_id"], "read id")
         caller: Caller = request[CALLER]
-        taken_by = self.store.read_taken_by(read_id)
+        taken_by = self.reads.read_taken_by(read_id)
         if taken_by is not None and taken_by != (caller.pod or caller.subject):
             raise Forbidden(f"pod {caller.pod} may not end read {read_id}: another pod took it")
-        return web.json_response(await self.store.end_read(read_id))
+        return web.json_response((await self.reads.end_read(read_id)).to_json())
 
     async def free(self, request: web.Request) -> web.Response:
         object_id = check_id(request.match_info["id"])
         req = _parse(api.FreeRequest.from_json, await _json(request))
-        return web.json_response(await self.store.free(object_id, reason=req.reason, wait_fence=req.wait_fence))
+        answer = await self.store.free(object_id, reason=req.reason, wait_fence=req.wait_fence)
+        return web.json_response(answer.to_json())
 
     async def release_handoff(self, request: web.Request) -> web.Response:
         """A receiver drops a claim the source made for it (client write-behind): the source's
@@ -349,7 +360,7 @@ class Routes:
     async def free_stream(self, request: web.Request) -> web.Response:
         stream = check_stream(request.match_info["stream"])
         await _body(request, frozenset({"reason"}))
-        return web.json_response(await self.store.free_stream(stream))
+        return web.json_response((await self.store.free_stream(stream)).to_json())
 
 
 def check_claim_name(claim: object) -> str:

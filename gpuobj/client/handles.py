@@ -163,6 +163,6 @@ class SharedRef:
     claim_uid: str  # "" while the source's write-behind has not recorded the claim
     holder_pod: str
     read_once: bool = False  # the receiver's handle releases itself after its first completed fetch
-    grant: dict | None = None  # read grant from the source: a fetch needs no request (see agent store.grant)
+    grant: dict | None = None  # read grant from the source: a fetch needs no request (see the agent's Reads.grant)
     release_via: str | None = None  # the source agent that takes this claim's release
     expires_at: float | None = None  # the claim's ttl from its making (time.time()): the receiver's handle ends then

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuobj_agent.layouts import parse_layouts
-from gpuobj_agent.store import check_id
+from gpuobj_agent.objects import check_id
 from gpuobj_contract import names
 from gpuobj_contract.layouts import tensor_bytes
 from gpuobj_dev.testing.cluster import ClusterHandle

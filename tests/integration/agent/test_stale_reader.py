@@ -269,12 +269,12 @@ def test_a_replayed_read_of_a_pooled_version_never_returns_the_next_version_in_i
         if kind == "grant":
             old = asyncio.run(src.agrant("v1"))
         else:
-            old = src._call(src.agent.store.begin_read("v1", "raw"), 30)
+            old = src._call(src.agent.reads.begin_read("v1", "raw"), 30).to_json()
         assert reader.call(op="load", metadata=old["agentMetadata"])["ok"]
         replay = {"op": "read", "agent": old["nixlAgent"], "descriptors": old["descriptors"], "nbytes": old["bytes"]}
         assert reader.call(**replay) == {"ok": True, "sha256": _sha(v1)}
         if kind == "ticket":
-            assert src._call(src.agent.store.end_read(old["readId"]), 30)["valid"]
+            assert src._call(src.agent.reads.end_read(old["readId"]), 30).valid
 
         assert src.free("v1")["freed"]  # the last reference went: the operator's free
         pub.publish("v2", v2)

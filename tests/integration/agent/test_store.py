@@ -18,6 +18,7 @@ from gpuobj_agent.errors import (
     SourceUnavailable,
 )
 from gpuobj_agent.layouts import TensorLayout
+from gpuobj_contract import agent_api as api
 from gpuobj_dev.testing.agent_workload import digest, make_tensors
 from gpuobj_dev.testing.waits import wait_until
 
@@ -161,14 +162,16 @@ def test_a_free_waits_for_an_in_flight_read_then_frees(make_runtime):
     thread.start()
     wait_until(lambda: src.inventory()["objects"][0]["freeing"], "the free to start waiting")
     assert not done.is_set()  # held back by the ticket
-    assert run(src, src.agent.store.end_read(ticket["readId"])) == {"ended": True, "valid": True, "expired": False}
+    assert run(src, src.agent.reads.end_read(ticket.read_id)) == api.ReadEndAnswer(
+        ended=True, valid=True, expired=False
+    )
     thread.join(30)
     assert result["freed"] and result["waitedSeconds"] > 0
     settle(src.stats)
 
 
 async def _begin(rt, object_id):
-    return await rt.agent.store.begin_read(object_id, "test")
+    return await rt.agent.reads.begin_read(object_id, "test")
 
 
 def test_a_free_that_cannot_wait_long_enough_frees_nothing(make_runtime):
@@ -178,7 +181,7 @@ def test_a_free_that_cannot_wait_long_enough_frees_nothing(make_runtime):
     with pytest.raises(FreeTimeout, match="nothing freed"):
         src.free("o1")
     assert src.stats()["objects"] == 1 and not src.inventory()["objects"][0]["freeing"]
-    run(src, src.agent.store.end_read(ticket["readId"]))
+    run(src, src.agent.reads.end_read(ticket.read_id))
     assert src.free("o1")["freed"]
     settle(src.stats)
 
@@ -188,8 +191,8 @@ def test_an_abandoned_ticket_holds_a_free_back_only_until_its_lease_ends(make_ru
     src.put("o1", [torch.ones(1024)])
     ticket = run(src, _begin(src, "o1"))  # a reader that crashed and never ends it
     assert src.free("o1")["freed"]
-    end = run(src, src.agent.store.end_read(ticket["readId"]))
-    assert end == {"ended": False, "valid": False, "expired": True}  # a late reader learns its bytes are void
+    end = run(src, src.agent.reads.end_read(ticket.read_id))
+    assert end == api.ReadEndAnswer(ended=False, valid=False, expired=True)  # a late reader learns its bytes are void
     settle(src.stats)
 
 
@@ -275,9 +278,9 @@ def test_freeing_a_stream_frees_every_item(make_runtime):
         src.put(f"s-{i}", [torch.full((8,), i)], stream="steps", stream_index=i)
     src.put("other", [torch.ones(2)])
     result = run(src, src.agent.store.free_stream("steps"))
-    assert sorted(result["freed"]) == [f"s-{i}" for i in range(5)] and result["bytes"] == 5 * 64
+    assert sorted(result.freed) == [f"s-{i}" for i in range(5)] and result.bytes == 5 * 64
     assert [o["id"] for o in src.inventory()["objects"]] == ["other"]
-    assert run(src, src.agent.store.free_stream("steps")) == {"freed": [], "bytes": 0}
+    assert run(src, src.agent.store.free_stream("steps")) == api.StreamFreeAnswer(freed=(), bytes=0)
     src.free("other")
     settle(src.stats)
 

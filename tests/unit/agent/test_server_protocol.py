@@ -11,7 +11,8 @@ import pytest
 
 from gpuobj_agent.agent import Agent
 from gpuobj_agent.auth import ServiceAccountAuth
-from gpuobj_agent.server import Authenticator, Objects, Served
+from gpuobj_agent.reads import Reads
+from gpuobj_agent.server import Authenticator, Objects, Reading, Served
 from gpuobj_agent.store import ObjectStore
 
 
@@ -19,7 +20,9 @@ def members(proto: type) -> dict[str, object]:
     return {n: v for n, v in vars(proto).items() if not n.startswith("_")}
 
 
-@pytest.mark.parametrize(("proto", "impl"), [(Objects, ObjectStore), (Authenticator, ServiceAccountAuth)])
+@pytest.mark.parametrize(
+    ("proto", "impl"), [(Objects, ObjectStore), (Reading, Reads), (Authenticator, ServiceAccountAuth)]
+)
 def test_every_member_the_server_calls_exists_with_the_same_shape(proto: type, impl: type) -> None:
     for name, wanted in members(proto).items():
         have = getattr(impl, name, None)
