@@ -1,4 +1,4 @@
-"""What the live view shows, built from agents' inventories: rows, a kubectl Table, a list, pages.
+"""What the live view shows, built from agents' inventories: rows, a kubectl Table, a list, pages over a snapshot.
 
 Pure: no I/O, so each rule (state, holders, paging) is unit-tested. The source of truth is the agent's
 inventory (what the process holds now), joined with the ledger's GPUObjects for the recorded name and
@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import bisect
 import datetime as dt
 import json
-from collections.abc import Iterable, Mapping, Sequence
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +27,13 @@ PLURAL = "liveobjects"
 KIND = "LiveGPUObject"
 SHORT_NAMES = ("lgo",)
 MAX_LIMIT = 5000  # one page at most; kubectl asks for 500
+# A paged list's rows are kept this long from its first page (100,000 rows at 5,000 a page take ~1 s; kubectl's
+# 500 a page through the aggregator, 200 pages, well under this), at most SNAPSHOTS_MAX lists and
+# SNAPSHOT_ROWS_MAX rows at once: a snapshot holds the rows the per-pod cache made (shared while both hold
+# them), so four lists of every one of 100,000 objects, ~0.5 KiB a row once the cache has moved on.
+SNAPSHOT_SECONDS = 60.0
+SNAPSHOTS_MAX = 16
+SNAPSHOT_ROWS_MAX = 400_000
 
 COLUMNS = (
     ("Name", "string", "The pod and the object id the agent gave it"),
@@ -102,18 +113,31 @@ def rows_of(inventory: Inventory, recorded: Mapping[str, Recorded]) -> list[Live
     return out
 
 
-def encode_continue(after: tuple[str, str]) -> str:
-    return base64.urlsafe_b64encode(json.dumps(list(after)).encode()).decode().rstrip("=")
+@dataclass(frozen=True)
+class Cursor:
+    """What a continue token carries: the snapshot its list reads and the last key the client has."""
+
+    snapshot: str
+    after: tuple[str, str]
 
 
-def decode_continue(token: str) -> tuple[str, str]:
+def encode_continue(cursor: Cursor) -> str:
+    raw = {"s": cursor.snapshot, "a": list(cursor.after)}
+    return base64.urlsafe_b64encode(json.dumps(raw).encode()).decode().rstrip("=")
+
+
+def decode_continue(token: str) -> Cursor:
+    bad = BadRequest(f"continue token {token[:40]!r} is not one this view gave out")
     try:
         raw = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
     except (binascii.Error, ValueError, UnicodeDecodeError):
-        raise BadRequest(f"continue token {token[:40]!r} is not one this view gave out") from None
-    if not (isinstance(raw, list) and len(raw) == 2 and all(isinstance(x, str) for x in raw)):
-        raise BadRequest(f"continue token {token[:40]!r} is not one this view gave out")
-    return (raw[0], raw[1])
+        raise bad from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("s"), str):
+        raise bad
+    after = raw.get("a")
+    if not (isinstance(after, list) and len(after) == 2 and all(isinstance(x, str) for x in after)):
+        raise bad
+    return Cursor(raw["s"], (after[0], after[1]))
 
 
 def parse_limit(text: str | None) -> int:
@@ -129,14 +153,82 @@ def parse_limit(text: str | None) -> int:
     return min(limit, MAX_LIMIT)
 
 
-def page(rows: Iterable[LiveRow], limit: int, token: str | None) -> tuple[list[LiveRow], str]:
-    """Rows in (namespace, name) order after the token's key, at most `limit`; the next token or "".
-    A key, not an offset: objects that come and go between pages move no other row across a page edge."""
-    after = decode_continue(token) if token else None
-    ordered = sorted((r for r in rows if after is None or r.key > after), key=lambda r: r.key)
-    if limit and len(ordered) > limit:
-        return ordered[:limit], encode_continue(ordered[limit - 1].key)
-    return ordered, ""
+class Expired(Exception):
+    """A continue token whose snapshot is gone (too old, pushed out, or the operator restarted): answered
+    410 Expired, as the API server answers a token whose resourceVersion was compacted."""
+
+
+@dataclass
+class Snapshot:
+    """One list's rows in (namespace, name) order, as its first page saw them; later pages slice it."""
+
+    id: str
+    namespace: str | None  # None: across namespaces
+    user: str
+    made_at: float
+    rows: list[LiveRow]
+
+
+class Snapshots:
+    """The lists being paged: the first page sorts its scope's rows once and keeps them here under an id the
+    continue token carries, so every later page costs O(log n + page), not a new fan-out and sort of every
+    row. Bounded (count and rows held, the oldest pushed out first) and kept `max_age` seconds from the
+    first page, as the API server pins a list's resourceVersion until compaction. A token is honoured only
+    for the scope and user it was given to: its rows were read for that scope, whatever the next SAR says."""
+
+    def __init__(
+        self,
+        *,
+        max_age: float = SNAPSHOT_SECONDS,
+        max_count: int = SNAPSHOTS_MAX,
+        max_rows: int = SNAPSHOT_ROWS_MAX,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_age, self.max_count, self.max_rows, self.clock = max_age, max_count, max_rows, clock
+        self._held: OrderedDict[str, Snapshot] = OrderedDict()  # oldest first
+        self._rows = 0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def _drop(self, snapshot_id: str) -> None:
+        self._rows -= len(self._held.pop(snapshot_id).rows)
+
+    def _expire(self) -> None:
+        now = self.clock()
+        while self._held and now - next(iter(self._held.values())).made_at > self.max_age:
+            self._drop(next(iter(self._held)))
+
+    def first(self, rows: Iterable[LiveRow], limit: int, namespace: str | None, user: str) -> tuple[list[LiveRow], str]:
+        """The first page of a list; a snapshot is kept only when there is a next page."""
+        ordered = sorted(rows, key=lambda r: r.key)
+        if not limit or len(ordered) <= limit:
+            return ordered, ""
+        self._expire()
+        snap = Snapshot(secrets.token_urlsafe(12), namespace, user, self.clock(), ordered)
+        self._held[snap.id] = snap
+        self._rows += len(ordered)
+        while len(self._held) > 1 and (len(self._held) > self.max_count or self._rows > self.max_rows):
+            self._drop(next(iter(self._held)))
+        return ordered[:limit], encode_continue(Cursor(snap.id, ordered[limit - 1].key))
+
+    def next(self, cursor: Cursor, limit: int, namespace: str | None, user: str) -> tuple[list[LiveRow], str]:
+        """The page after the cursor's key in its snapshot. Expired when the snapshot is gone; BadRequest
+        when it was made for another scope or user."""
+        self._expire()
+        snap = self._held.get(cursor.snapshot)
+        if snap is None:
+            raise Expired(
+                f"the list this continue token belongs to was kept {self.max_age:g} s and is gone (too old, too "
+                "many lists at once, or the operator restarted): start a new list without the continue parameter"
+            )
+        if snap.namespace != namespace or snap.user != user:
+            raise BadRequest("this continue token was given for another list (another namespace or user)")
+        start = bisect.bisect_right(snap.rows, cursor.after, key=lambda r: r.key)
+        chunk = snap.rows[start : start + limit] if limit else snap.rows[start:]
+        if start + len(chunk) >= len(snap.rows):
+            return chunk, ""
+        return chunk, encode_continue(Cursor(snap.id, chunk[-1].key))
 
 
 def human_age(seconds: float) -> str:

@@ -5,14 +5,17 @@ client certificate and the user in X-Remote-User/X-Remote-Group (requestheader a
 from the extension-apiserver-authentication ConfigMap in kube-system). What they may see: whatever a
 SubjectAccessReview for (verb, live.gpuobj.io, liveobjects, namespace) allows that user, so namespace
 RBAC applies as for any built-in resource. What is shown: the agents' inventories, read on demand for
-the namespace asked about (bounded concurrency, each pod's answer kept CACHE_SECONDS), so nothing is
-stored, nothing is written, and an object is visible as soon as its agent lists it."""
+the namespace asked about (bounded concurrency, each pod's answer kept CACHE_SECONDS, one read in flight
+per pod whoever asks; a get by name reads only the pod the name starts with), so nothing is written and an
+object is visible as soon as its agent lists it. A paged list's rows are kept for its later pages
+(rows.Snapshots): only its first page reads agents."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import datetime as dt
+import functools
 import json
 import logging
 import os
@@ -34,7 +37,11 @@ from gpuobj_operator.model import PodInfo
 log = logging.getLogger(__name__)
 
 AUTH_CONFIGMAP = ("kube-system", "extension-apiserver-authentication")
-CACHE_SECONDS = 1.0  # an object put now is listed within this plus one inventory read (the target is 2 s)
+CACHE_SECONDS = 1.0  # a list reads each pod's agent at most once a second, whoever asks
+# A get by name that does not find the object in its pod's cached answer reads that one pod again once the
+# answer is this old: a put is found by name within this plus one inventory read even while lists keep
+# every pod cached (the target is 2 s), for at most 1 / MISS_SECONDS more reads of that pod per second.
+MISS_SECONDS = 0.25
 FAN_OUT = 32  # inventory reads in flight for one request
 INVENTORY_TIMEOUT = 5.0
 
@@ -120,7 +127,8 @@ class _Cached:
 @dataclass
 class LiveSource:
     """Rows for a namespace (or all), from the agents of that namespace's pods; each pod's inventory is
-    read at most once per CACHE_SECONDS, whoever asks. Cost per request: one inventory per pod asked
+    read at most once per `max_age` (CACHE_SECONDS unless the caller asks fresher), whoever asks, and
+    requests that find the same pod stale share one read. Cost per request: one inventory per pod asked
     about, never per object event."""
 
     ledger: Callable[[], Ledger | None]
@@ -128,21 +136,45 @@ class LiveSource:
     cache_seconds: float = CACHE_SECONDS
     fan_out: int = FAN_OUT
     _cache: dict[str, _Cached] = field(default_factory=dict)
+    _reading: dict[str, asyncio.Future[list[view.LiveRow]]] = field(default_factory=dict)  # by pod uid
+    _gate: asyncio.Semaphore | None = None
 
-    async def rows(self, namespace: str | None) -> list[view.LiveRow]:
+    def _read_done(self, uid: str, _: asyncio.Future[list[view.LiveRow]]) -> None:
+        self._reading.pop(uid, None)
+
+    async def rows(
+        self, namespace: str | None, *, name: str | None = None, max_age: float | None = None
+    ) -> list[view.LiveRow]:
+        """The scope's rows; with `name`, only the pods that name can belong to (its pod's name and a dot)."""
         ledger = self.ledger()
         if ledger is None:
             raise NotLeading()
-        pods = [p for p in ledger.agent_pods() if namespace is None or p.namespace == namespace]
+        pods = [
+            p
+            for p in ledger.agent_pods()
+            if (namespace is None or p.namespace == namespace) and (name is None or name.startswith(p.name + "."))
+        ]
+        max_age = self.cache_seconds if max_age is None else max_age
         now = time.monotonic()
         for uid in [u for u, c in self._cache.items() if now - c.at > self.cache_seconds]:
             del self._cache[uid]
-        gate = asyncio.Semaphore(self.fan_out)
+        if self._gate is None:
+            self._gate = asyncio.Semaphore(self.fan_out)  # one for every request: FAN_OUT reads in all
+        gate = self._gate
 
         async def one(pod: PodInfo) -> list[view.LiveRow]:
             cached = self._cache.get(pod.uid)
-            if cached is not None:
+            if cached is not None and time.monotonic() - cached.at <= max_age:
                 return cached.rows
+            reading = self._reading.get(pod.uid)
+            if reading is None:
+                # A task of its own: a request that gives up (its client went away) cancels only its wait.
+                reading = asyncio.ensure_future(read(pod))
+                self._reading[pod.uid] = reading
+                reading.add_done_callback(functools.partial(self._read_done, pod.uid))
+            return await asyncio.shield(reading)
+
+        async def read(pod: PodInfo) -> list[view.LiveRow]:
             async with gate:
                 try:
                     inventory = await asyncio.wait_for(
@@ -188,6 +220,7 @@ class LiveViewServer:
         self.host, self.port = host, port
         self.cert_file, self.key_file = cert_file, key_file
         self.config: RequestHeaderConfig | None = None
+        self.snapshots = view.Snapshots()
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> int:
@@ -248,8 +281,9 @@ class LiveViewServer:
 
     async def _admit(
         self, request: web.Request, verb: str, namespace: str | None, name: str | None = None
-    ) -> web.Response | None:
-        """None when the request may go on; else the Status to answer."""
+    ) -> User | web.Response:
+        """The user when the request may go on (a SubjectAccessReview on every request, later pages
+        included); else the Status to answer."""
         try:
             user = self._user(request)
         except Unauthorized as exc:
@@ -264,7 +298,7 @@ class LiveViewServer:
             message = f'{what} is forbidden: User "{user.name}" cannot {verb} resource "{view.PLURAL}" '
             message += f'in API group "{view.GROUP}" {where}'
             return self._status(403, "Forbidden", message)
-        return None
+        return user
 
     async def _ok(self, _: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -310,17 +344,24 @@ class LiveViewServer:
         try:
             limit = view.parse_limit(request.query.get("limit"))
             token = request.query.get("continue") or None
-            if token:
-                view.decode_continue(token)
+            cursor = view.decode_continue(token) if token else None
         except view.BadRequest as exc:
             return self._status(400, "BadRequest", str(exc))
-        if (denied := await self._admit(request, "list", namespace)) is not None:
-            return denied
-        try:
-            rows = await self.source.rows(namespace)
-        except NotLeading:
-            return self._status(503, "ServiceUnavailable", "this operator replica does not lead; try again")
-        chosen, next_token = view.page(rows, limit, token)
+        if isinstance(user := await self._admit(request, "list", namespace), web.Response):
+            return user
+        if cursor is not None:  # a later page: its list's snapshot, no agent read
+            try:
+                chosen, next_token = self.snapshots.next(cursor, limit, namespace, user.name)
+            except view.Expired as exc:
+                return self._status(410, "Expired", str(exc))
+            except view.BadRequest as exc:
+                return self._status(400, "BadRequest", str(exc))
+        else:
+            try:
+                rows = await self.source.rows(namespace)
+            except NotLeading:
+                return self._status(503, "ServiceUnavailable", "this operator replica does not lead; try again")
+            chosen, next_token = self.snapshots.first(rows, limit, namespace, user.name)
         now = dt.datetime.now(dt.UTC)
         if view.wants_table(request.headers.get("Accept", "")):
             return web.json_response(view.to_table(chosen, next_token, now))
@@ -328,13 +369,15 @@ class LiveViewServer:
 
     async def _get(self, request: web.Request) -> web.Response:
         namespace, name = request.match_info["namespace"], request.match_info["name"]
-        if (denied := await self._admit(request, "get", namespace, name)) is not None:
+        if isinstance(denied := await self._admit(request, "get", namespace, name), web.Response):
             return denied
         try:
-            rows = await self.source.rows(namespace)
+            row = next((r for r in await self.source.rows(namespace, name=name) if r.name == name), None)
+            if row is None:  # put since its pod's answer was cached? ask that pod again, at most every MISS_SECONDS
+                fresh = await self.source.rows(namespace, name=name, max_age=MISS_SECONDS)
+                row = next((r for r in fresh if r.name == name), None)
         except NotLeading:
             return self._status(503, "ServiceUnavailable", "this operator replica does not lead; try again")
-        row = next((r for r in rows if r.name == name), None)
         if row is None:
             return self._status(404, "NotFound", f'{view.PLURAL}.{view.GROUP} "{name}" not found')
         now = dt.datetime.now(dt.UTC)

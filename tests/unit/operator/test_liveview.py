@@ -32,29 +32,103 @@ def test_states_and_holders_come_from_inventory_and_ledger() -> None:
     assert rows["a"].name == "p.a" and rows["a"].pod == "p" and rows["a"].bytes == 10
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def walk(snaps: view.Snapshots, rows: list[view.LiveRow], limit: int, ns: str | None = "ns", user: str = "u") -> list:
+    """Every page of one list, as kubectl pages: (object ids of each page)."""
+    chunk, token = snaps.first(rows, limit, ns, user)
+    pages = [[r.object_id for r in chunk]]
+    while token:
+        chunk, token = snaps.next(view.decode_continue(token), limit, ns, user)
+        pages.append([r.object_id for r in chunk])
+    return pages
+
+
 def test_pages_walk_every_row_once_in_order() -> None:
-    rows = view.rows_of(inventory(*(InventoryItem(f"o{i:03}", i) for i in range(25))), {})
-    seen, token, pages = [], "", 0
-    while True:
-        chunk, token = view.page(rows, 10, token or None)
-        seen += [r.object_id for r in chunk]
-        pages += 1
-        if not token:
-            break
-    assert pages == 3 and seen == sorted(f"o{i:03}" for i in range(25))
+    rows = view.rows_of(inventory(*(InventoryItem(f"o{i:03}", i) for i in reversed(range(25)))), {})
+    snaps = view.Snapshots()
+    pages = walk(snaps, rows, 10)
+    assert [len(p) for p in pages] == [10, 10, 5]
+    assert [o for p in pages for o in p] == sorted(f"o{i:03}" for i in range(25))
+    assert len(snaps) == 1  # kept until its age: a retried last page is answered again
 
 
-def test_a_page_after_rows_went_away_goes_on_from_its_key() -> None:
+def test_a_list_that_fits_one_page_keeps_nothing() -> None:
+    rows = view.rows_of(inventory(*(InventoryItem(f"o{i}", i) for i in range(3))), {})
+    snaps = view.Snapshots()
+    assert walk(snaps, rows, 3) == [["o0", "o1", "o2"]] and walk(snaps, rows, 0) == [["o0", "o1", "o2"]]
+    assert len(snaps) == 0
+
+
+def test_later_pages_slice_the_first_pages_snapshot_not_the_rows_of_now() -> None:
+    """Rows that come or go after the first page change no later page: the list is one snapshot, as a
+    list pinned to a resourceVersion is; the next list sees them."""
     rows = view.rows_of(inventory(*(InventoryItem(f"o{i}", i) for i in range(4))), {})
-    first, token = view.page(rows, 2, None)
-    rest, end = view.page([r for r in rows if r.object_id != "o0"], 2, token)
+    snaps = view.Snapshots()
+    first, token = snaps.first(rows, 2, "ns", "u")
+    rows.clear()  # the source's rows may change under it
+    rest, end = snaps.next(view.decode_continue(token), 2, "ns", "u")
     assert [r.object_id for r in first + rest] == ["o0", "o1", "o2", "o3"] and end == ""
+    again, _ = snaps.next(view.decode_continue(token), 0, "ns", "u")  # the same token, asked again
+    assert [r.object_id for r in again] == ["o2", "o3"]
 
 
-@pytest.mark.parametrize("token", ["%%%", "bm90IGpzb24", view.encode_continue(("a", "b"))[:-3] + "AAA"])
+def test_an_expired_snapshot_is_gone_not_a_wrong_page() -> None:
+    clock = Clock()
+    snaps = view.Snapshots(max_age=60, clock=clock)
+    rows = view.rows_of(inventory(*(InventoryItem(f"o{i}", i) for i in range(4))), {})
+    _, token = snaps.first(rows, 1, "ns", "u")
+    clock.now += 30
+    _, token = snaps.next(view.decode_continue(token), 1, "ns", "u")  # age counts from the first page
+    clock.now += 31
+    with pytest.raises(view.Expired, match="start a new list"):
+        snaps.next(view.decode_continue(token), 1, "ns", "u")
+    assert len(snaps) == 0
+
+
+def test_snapshots_are_bounded_the_oldest_pushed_out_first() -> None:
+    rows = view.rows_of(inventory(*(InventoryItem(f"o{i}", i) for i in range(10))), {})
+    by_count = view.Snapshots(max_count=2)
+    tokens = [by_count.first(rows, 1, "ns", "u")[1] for _ in range(3)]
+    with pytest.raises(view.Expired):
+        by_count.next(view.decode_continue(tokens[0]), 1, "ns", "u")
+    assert [len(by_count.next(view.decode_continue(t), 1, "ns", "u")[0]) for t in tokens[1:]] == [1, 1]
+    by_rows = view.Snapshots(max_rows=25)
+    tokens = [by_rows.first(rows, 1, "ns", "u")[1] for _ in range(3)]  # 30 rows held would pass 25
+    assert len(by_rows) == 2
+    with pytest.raises(view.Expired):
+        by_rows.next(view.decode_continue(tokens[0]), 1, "ns", "u")
+
+
+@pytest.mark.parametrize(("ns", "user"), [("other", "u"), (None, "u"), ("ns", "someone-else")])
+def test_a_token_is_refused_for_another_namespace_or_user(ns: str | None, user: str) -> None:
+    """Its rows were read for the namespace and user of its first page, whatever the next SAR allows."""
+    rows = view.rows_of(inventory(*(InventoryItem(f"o{i}", i) for i in range(4))), {})
+    snaps = view.Snapshots()
+    _, token = snaps.first(rows, 2, "ns", "u")
+    with pytest.raises(view.BadRequest, match="another list"):
+        snaps.next(view.decode_continue(token), 2, ns, user)
+
+
+def test_a_token_after_a_restart_is_expired() -> None:
+    token = view.encode_continue(view.Cursor("no-such-snapshot", ("ns", "p.o1")))
+    with pytest.raises(view.Expired):
+        view.Snapshots().next(view.decode_continue(token), 1, "ns", "u")
+
+
+@pytest.mark.parametrize(
+    "token",
+    ["%%%", "bm90IGpzb24", view.encode_continue(view.Cursor("s", ("a", "b")))[:-3] + "AAA", "WyJhIiwgImIiXQ"],
+)
 def test_a_bad_continue_token_is_a_bad_request(token: str) -> None:
     with pytest.raises(view.BadRequest):
-        view.page([], 1, token)
+        view.decode_continue(token)
 
 
 @pytest.mark.parametrize(("text", "limit"), [(None, 0), ("", 0), ("7", 7), ("999999", view.MAX_LIMIT)])
