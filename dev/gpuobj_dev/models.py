@@ -57,6 +57,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# name -> (tensors, rows, columns): a synthetic model of many small parameters, each (rows, columns + 8 * (i % 4))
+# in bfloat16: "many" has 2,000 (a 405B Llama-style model has 1,137; an object holds at most 2,048,
+# gpuobj_contract.layouts.MAX_TENSORS), ~5.6 MB, so per-tensor costs show and the bytes do not hide them.
+SYNTHETIC: dict[str, tuple[int, int, int]] = {"many": (2000, 32, 32)}
+SIZES = [*CONFIGS, *SYNTHETIC]
+
+
 def transformers_requirement() -> str:
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     [req] = [r for r in extras["models"] if r.startswith("transformers")]
@@ -82,9 +89,23 @@ def ensure_transformers() -> None:
 
 
 def build(size: str = "small", *, seed: int = 0, dtype: str = "bfloat16") -> Any:
-    """A Qwen2 causal LM of the named size, randomly initialised (same seed, same weights), in eval mode."""
-    ensure_transformers()
+    """A Qwen2 causal LM of the named size, randomly initialised (same seed, same weights), in eval mode;
+    a SYNTHETIC size is a module of that many parameters named like a transformer's layers."""
     import torch
+
+    if size in SYNTHETIC:
+        count, rows, cols = SYNTHETIC[size]
+        torch.manual_seed(seed)
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList()
+        for layer in range(0, count, 10):
+            block = torch.nn.Module()
+            for i in range(layer, min(count, layer + 10)):
+                weight = torch.randn(rows, cols + 8 * (i % 4)).to(getattr(torch, dtype))
+                block.register_parameter(f"p{i - layer}", torch.nn.Parameter(weight, requires_grad=False))
+            model.layers.append(block)
+        return model.eval()
+    ensure_transformers()
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
