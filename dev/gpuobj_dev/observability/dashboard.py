@@ -265,6 +265,15 @@ def rows() -> tuple[RowSpec, ...]:
                 (Query(q.rate(m.AUDIT_RUNS, "result"), "{{result}}"),),
             ),
             PanelSpec(
+                "Watch events by resource and selection",
+                "Events the API server sends this operator's watches of GPUObjects and streams per second, by "
+                "selection: 'shard' (its own namespaces' label selector), 'unlabelled' (objects no writer labelled, "
+                "relabelled at once), 'all' (one shard: no selector). Steady 'unlabelled' traffic means a writer "
+                "skips the shard label (docs/scale.md, Several operators).",
+                units.OpsPerSecond,
+                (Query(q.rate(m.WATCH_EVENTS, "resource, selection"), "{{resource}} {{selection}}"),),
+            ),
+            PanelSpec(
                 "Operator leaders",
                 "Operator replicas holding the leader lease. Red unless exactly 1: with no leader nothing is freed or "
                 "audited; check the operator Deployment and its Lease.",
