@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuobj.client import errors
+from gpuobj.client.agent_seam import AgentSeam
 from gpuobj.client.core import ClientCore, describe_ref
 from gpuobj.client.handles import ObjectAddress, ObjectRef, SharedRef
 from gpuobj.client.loop import LoopThread, Runner
@@ -103,7 +104,7 @@ class Client:
         pod_name: str,
         namespace: str,
         pod_uid: str,
-        agent: Any,
+        agent: AgentSeam,
         kube_config: KubeConfig | None = None,
         kubeconfig: str | Path | None = None,
         token_file: str | Path | None = None,
@@ -156,8 +157,6 @@ class Client:
             ),
             timeout,
         )
-        if self.core.wb is not None and hasattr(agent, "set_handoff_sink"):
-            agent.set_handoff_sink(self.core.handoff_sink)
         self._release_task = self._loop.submit(self.core.releases.run())
         self._closed = False
         _at_shutdown(self.close)
@@ -177,7 +176,7 @@ class Client:
         return self.core.pod_uid
 
     @property
-    def agent(self) -> Any:
+    def agent(self) -> AgentSeam:
         """The pod's agent (the embedded AgentRuntime when made by `connect`)."""
         return self.core.agent
 
@@ -190,7 +189,7 @@ class Client:
         return self.core.token_file
 
     @property
-    def incarnation(self) -> str | None:
+    def incarnation(self) -> str:
         """This process's agent incarnation: a sender passes it to ``share`` so the claim dies with us."""
         return self.core.incarnation
 
@@ -421,8 +420,11 @@ class Client:
             self._release_task.cancel()
             self._loop.stop()
             if self._owns_agent:
-                with contextlib.suppress(Exception):
-                    self.agent.stop()
+                from gpuobj_agent.runtime import AgentRuntime
+
+                if isinstance(self.agent, AgentRuntime):  # the one `connect` started
+                    with contextlib.suppress(Exception):
+                        self.agent.stop()
 
     def __enter__(self) -> Client:
         return self

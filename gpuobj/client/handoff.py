@@ -25,9 +25,14 @@ import asyncio
 import errno
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+
+from gpuobj.client.agent_seam import AgentSeam
+from gpuobj_contract import agent_api as api
+from gpuobj_contract import agent_tls, names
 
 log = logging.getLogger("gpuobj.client")
 
@@ -96,3 +101,38 @@ async def release_at_source(
         log.debug("hand-off release at %s: %s; asking again", url, status if status is not None else error)
         await asyncio.sleep(gap)
         gap = min(gap * 2, MAX_GAP)
+
+
+class SourceReleases:
+    """The receiver's side: posts releases of hand-off claims to the source agents that queued them,
+    over one HTTP session (made on first use, closed with the client)."""
+
+    def __init__(self, agent: AgentSeam, token: Callable[[], str | None]) -> None:
+        self.agent = agent
+        self.token = token
+        self._http: aiohttp.ClientSession | None = None
+
+    async def post(self, via: tuple[str, str], claim: str) -> bool:
+        """Send claim `claim`'s release to the source at ``via`` (endpoint, pod uid). Over TLS the source
+        is verified as the pod it means, and this pod presents its own certificate with its token. False:
+        delete it in the API instead, which `release_at_source` answers only when the source will never
+        create the claim."""
+        endpoint, pod_uid = via
+        tls = None
+        if self.agent.serves_tls:
+            tls = self.agent.client_tls()
+            if tls is None or not pod_uid:
+                return False  # never send a token to a listener we cannot hold to a pod
+        if self._http is None:
+            self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32))
+        token = self.token()
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if pod_uid:
+            headers[names.HEADER_POD_UID] = pod_uid
+        verify: dict[str, Any] = {"ssl": tls, "server_hostname": agent_tls.pod_dns_name(pod_uid)} if tls else {}
+        url = f"{'https' if tls else 'http'}://{endpoint}{api.RELEASE_HANDOFF.path(claim=claim)}"
+        return await release_at_source(self._http, url, headers, verify)
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()

@@ -21,7 +21,7 @@ log = logging.getLogger("gpuobj.client")
 
 # (kind, namespace, name, uid, via): via is a hand-off claim's source agent, (endpoint, pod uid)
 Release = tuple[str, str, str, str, "tuple[str, str] | None"]
-ProcessFn = Callable[[str, str, str, str, "str | None"], Awaitable[None]]
+ProcessFn = Callable[[str, str, str, str, "tuple[str, str] | None"], Awaitable[None]]
 
 
 class ReleaseQueue:

@@ -199,6 +199,7 @@ class StreamReader:
                 assert item is not None
                 address = _address_of(item)
                 tensors = await self.core.fetch(address, device=self.device)
+                assert isinstance(tensors, list)  # an item is a list object (put with no state dict's names)
                 # Read position first, then the release: a late report of this item is then recognisably stale.
                 await self._advance(self.position)
                 await self.core.delete_item(address)

@@ -19,14 +19,20 @@ from gpuobj_kube.client import NotFound
 
 
 class Agent:
-    """The embedded agent's async API, holding objects in a dict."""
+    """The embedded agent's seam (gpuobj.client.agent_seam: AgentSeam and ReadingAgent), objects in a dict."""
 
     endpoint = "10.0.0.1:8470"
     incarnation = "inc-1"
+    serves_tls = False
 
     def __init__(self) -> None:
         self.objects: dict[str, list] = {}
         self.fetched: list[str] = []
+        self.private: set[str] = set()
+        self.sink = None
+
+    def client_tls(self) -> None:
+        return None
 
     async def aput(self, object_id: str, tensors: list, copy: bool = False, **_: object) -> None:
         self.objects[object_id] = tensors
@@ -41,8 +47,23 @@ class Agent:
     async def afetch_granted(self, endpoint: str, object_id: str, grant: dict, *, device: str, token: str | None, **_):
         return await self.afetch(endpoint, object_id, device=device, token=token)
 
+    def fetch_granted_direct(self, endpoint: str, object_id: str, grant: dict, **_: object) -> list:
+        raise LookupError("stale grant")  # the full path (afetch_granted) reads it
+
+    def publish(self, key: str, tensors: list) -> None:
+        self.objects[key] = tensors
+
     async def agrant(self, object_id: str) -> dict:
         return {"object": object_id}
+
+    def set_record_pending(self, object_id: str, pending: bool) -> None:
+        pass
+
+    def set_private(self, object_id: str, private: bool) -> None:
+        (self.private.add if private else self.private.discard)(object_id)
+
+    def set_handoff_sink(self, sink) -> None:
+        self.sink = sink
 
 
 class Api:

@@ -82,14 +82,14 @@ def test_empty_tensors_select_no_bytes():
 
 
 def test_the_client_refuses_a_selection_that_is_not_a_shard_or_has_no_layouts_to_select_from():
-    from gpuobj.client.core import ClientCore
     from gpuobj.client.handles import ObjectAddress
+    from gpuobj.client.reads import select_pieces
 
     bare = ObjectAddress("ns", "policy", "uid", "obj", "trainer", "10.0.0.1:8000")
     with pytest.raises(InvalidRequestError, match="no tensor layouts"):
-        ClientCore._select(bare, Shard())
+        select_pieces(bare, Shard())
     with pytest.raises(InvalidRequestError, match=r"must be a gpuobj\.Shard"):
-        ClientCore._select(bare, {"dim": 0})  # type: ignore[arg-type]
+        select_pieces(bare, {"dim": 0})  # type: ignore[arg-type]
     full = ObjectAddress("ns", "policy", "uid", "obj", "trainer", "10.0.0.1:8000", LAYOUTS, ENTRIES)
-    got, named = ClientCore._select(full, Shard(names=["w"], dim=0, index=1, count=2))
+    got, named = select_pieces(full, Shard(names=["w"], dim=0, index=1, count=2))
     assert got == [(0, (2, 6), ((48, 48),))] and named == (("w", 0),)

@@ -1,0 +1,152 @@
+"""The seam between the client core and the pod's agent: the members the core uses, and nothing else.
+
+Why a Protocol of its own: the core used to hold the agent as `Any` and probe it (getattr, hasattr,
+inspect.signature), so a member renamed on the agent's side failed at run time, or silently turned a
+feature off. Here every member is declared once with its types; mypy holds each implementation to it
+where one is passed as an `AgentSeam` (the embedded `gpuobj_agent.runtime.AgentRuntime` in
+`Client.connect`; the scale fleet's `FleetAgent` in its module).
+
+Two levels, and the core asks which one it has once, at construction (`reader_of`), never per call:
+
+- `AgentSeam`: every agent a core runs on stores, frees and grants this pod's objects, serves the
+  write-behind's bookkeeping (record pending, private) and takes receivers' hand-off releases.
+- `ReadingAgent`: an agent that also reads other agents' objects (fetch, granted and direct reads),
+  takes published tensors and pools memory (a put with ``on_release``). The embedded runtime is one;
+  the scale fleet's agents are not (they hold bytes nobody reads). Only methods, so that the
+  `isinstance` check evaluates no property.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from gpuobj.client.shards import Piece
+
+# A read grant as the source agent writes it (gpuobj_contract.agent_api.ReadTicket's JSON, with
+# `generation`): it travels inside a SharedRef to the receiver, so it stays the wire form.
+Grant = dict[str, Any]
+
+# A receiver released hand-off claim `claim` (first argument) for pod `pod` (second): True when the
+# source's queue took it, False when it does not know the claim (the route answers 404).
+HandoffSink = Callable[[str, str], Coroutine[Any, Any, bool]]
+
+
+class AgentSeam(Protocol):
+    """What every agent a ClientCore runs on offers."""
+
+    @property
+    def endpoint(self) -> str:
+        """host:port where other pods and the operator reach this agent."""
+        ...
+
+    @property
+    def incarnation(self) -> str:
+        """This agent process's random id: a claim made for it dies with it."""
+        ...
+
+    @property
+    def serves_tls(self) -> bool:
+        """Whether this agent serves (and calls other agents over) TLS."""
+        ...
+
+    def client_tls(self) -> ssl.SSLContext | None:
+        """What this pod presents when it calls another agent (None when it serves plain HTTP)."""
+        ...
+
+    async def aput(
+        self,
+        object_id: str,
+        tensors: Sequence[torch.Tensor],
+        *,
+        copy: bool = False,
+        stream: str | None = None,
+        stream_index: int | None = None,
+        shared_with: Sequence[str] = (),
+    ) -> object:
+        """Hold and register `tensors` under `object_id` (the core reads nothing of the answer)."""
+        ...
+
+    async def afree(self, object_id: str) -> object:
+        """Free an object held here (idempotent; the core reads nothing of the answer)."""
+        ...
+
+    async def agrant(self, object_id: str) -> Grant:
+        """A read grant for an object held here, to embed in a hand-off."""
+        ...
+
+    def set_record_pending(self, object_id: str, pending: bool) -> None:
+        """The write-behind's word: the object's GPUObject is (not yet) recorded."""
+        ...
+
+    def set_private(self, object_id: str, private: bool) -> None:
+        """The write-behind's word: the object is private, held and never recorded (docs/design.md)."""
+        ...
+
+    def set_handoff_sink(self, sink: HandoffSink | None) -> None:
+        """Route receivers' releases of hand-off claims to `sink` (the core's queue owns them)."""
+        ...
+
+
+@runtime_checkable
+class ReadingAgent(Protocol):
+    """An agent that also reads, publishes and pools: the embedded runtime (methods only, see above)."""
+
+    async def aput(
+        self,
+        object_id: str,
+        tensors: Sequence[torch.Tensor],
+        *,
+        copy: bool = False,
+        stream: str | None = None,
+        stream_index: int | None = None,
+        shared_with: Sequence[str] = (),
+        on_release: Callable[[], None] | None = None,
+    ) -> object:
+        """``on_release``: the tensors are pooled memory; the region stays registered past the free."""
+        ...
+
+    async def afetch(
+        self,
+        endpoint: str,
+        object_id: str,
+        *,
+        device: str = "cpu",
+        token: str | None = None,
+        pod_uid: str | None = None,
+        select: Sequence[Piece] | None = None,
+    ) -> list[torch.Tensor]:
+        """Read an object from the agent at `endpoint` (`select`: only these pieces)."""
+        ...
+
+    async def afetch_granted(
+        self,
+        endpoint: str,
+        object_id: str,
+        grant: Grant,
+        *,
+        device: str = "cpu",
+        token: str | None = None,
+        pod_uid: str | None = None,
+        select: Sequence[Piece] | None = None,
+    ) -> list[torch.Tensor]:
+        """Read with a hand-off's grant (no request to the source unless the grant went stale)."""
+        ...
+
+    def fetch_granted_direct(
+        self, endpoint: str, object_id: str, grant: Grant, *, device: str = "cpu", timeout: float | None = None
+    ) -> list[torch.Tensor]:
+        """Read with a grant in the calling thread; raises if the grant went stale."""
+        ...
+
+    def publish(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
+        """Offer tensors under `key` for a GPUObject declared with kubectl to bind."""
+        ...
+
+
+def reader_of(agent: AgentSeam) -> ReadingAgent | None:
+    """The agent as a ReadingAgent, or None when it only stores (asked once, by the core's constructor)."""
+    return agent if isinstance(agent, ReadingAgent) else None
