@@ -9,17 +9,19 @@ and the client talk to is the agents' real code: info, inventory, free, tokens v
 API server's JWKS, the store's put/free/grant and write-behind bookkeeping. Nothing can read a fleet
 agent's bytes with NIXL (no workload of the benchmark does).
 
-The fleet (fleet.py) also plays the workload's process on top of it: `aput`, `afree`, `agrant`,
-`set_record_pending`, `set_private` are what `gpuobj.client.core.ClientCore` calls on a pod's agent.
+The fleet (fleet.py) also plays the workload's process on top of it: a fleet agent is the
+`gpuobj.client.agent_seam.AgentSeam` a pod's `ClientCore` runs on (mypy checks it, at the end of this
+module). It is no `ReadingAgent`: it neither reads, nor takes published tensors, nor pools memory.
 """
 
 from __future__ import annotations
 
 import secrets
+import ssl
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from aiohttp import web
@@ -32,6 +34,9 @@ from gpuobj_agent.nixl_state import NixlState
 from gpuobj_agent.server import build_app
 from gpuobj_agent.store import ObjectStore
 from gpuobj_contract import agent_api as api
+
+if TYPE_CHECKING:
+    from gpuobj.client.agent_seam import AgentSeam, HandoffSink
 
 
 class UnregisteredTransport:
@@ -71,10 +76,10 @@ class ObservedStore(ObjectStore):
 
     on_free: Callable[[str, int], None] = staticmethod(lambda object_id, nbytes: None)
 
-    async def free(self, object_id: str, *, reason: str | None = None, wait_fence: bool = False) -> dict[str, Any]:
+    async def free(self, object_id: str, *, reason: str | None = None, wait_fence: bool = False) -> api.FreeAnswer:
         result = await super().free(object_id, reason=reason, wait_fence=wait_fence)
-        if result.get("freed"):
-            self.on_free(object_id, int(result.get("bytes", 0)))
+        if result.freed:
+            self.on_free(object_id, result.bytes)
         return result
 
 
@@ -101,10 +106,11 @@ class FleetAgent:
         self.nixl = NixlState(config.nixl_base_name(self.incarnation), control=control, metrics=self.metrics)
         self.store = ObservedStore(config, self.metrics, nixl=self.nixl, incarnation=self.incarnation)
         self.store.on_free = on_free
+        self.reads = self.store.reads
         self.fencer = Fencer(
             self.store, self.nixl, config, self.metrics, lifecycle=lifecycle, agent_factory=UnregisteredTransport
         )
-        self.handoff_sink = None
+        self.handoff_sink: HandoffSink | None = None
         self._on_info = on_info
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
@@ -117,7 +123,7 @@ class FleetAgent:
     async def start(self) -> None:
         """Serve at the pod's address; a failed start (say, the address is taken) stops what it began."""
         await self.fencer.start()
-        self.store.start_pump()
+        self.reads.start_pump()
         self._runner = web.AppRunner(build_app(self), access_log=None, handle_signals=False, shutdown_timeout=1.0)
         try:
             await self._runner.setup()
@@ -136,7 +142,7 @@ class FleetAgent:
         self.store.closing = True
         if self._runner is not None:
             await self._runner.cleanup()
-        await self.store.stop_pump()
+        await self.reads.stop_pump()
         await self.store.release_all()
         await self.fencer.close()
 
@@ -148,7 +154,12 @@ class FleetAgent:
     def inventory(self) -> api.Inventory:
         return self.store.inventory()
 
-    # -- what the client core calls on its pod's agent -------------------------------------------
+    # -- what the client core calls on its pod's agent (gpuobj.client.agent_seam.AgentSeam) ---------
+    serves_tls = False  # the fleet's control servers speak plain HTTP
+
+    def client_tls(self) -> ssl.SSLContext | None:
+        return None
+
     async def aput(
         self,
         object_id: str,
@@ -164,10 +175,10 @@ class FleetAgent:
         )
 
     async def afree(self, object_id: str, *, wait_fence: bool = False) -> dict[str, Any]:
-        return await self.store.free(object_id, wait_fence=wait_fence)
+        return (await self.store.free(object_id, wait_fence=wait_fence)).to_json()
 
     async def agrant(self, object_id: str) -> dict[str, Any]:
-        return await self.store.grant(object_id)
+        return (await self.reads.grant(object_id)).to_json()
 
     def set_record_pending(self, object_id: str, pending: bool) -> None:
         self.store.set_record_pending(object_id, pending)
@@ -177,8 +188,12 @@ class FleetAgent:
         inventory, so the audit neither counts nor reclaims it. Without this member the client records all."""
         self.store.set_private(object_id, private)
 
-    def set_handoff_sink(self, sink: Any) -> None:
+    def set_handoff_sink(self, sink: HandoffSink | None) -> None:
         self.handoff_sink = sink
 
     def held_bytes(self) -> dict[str, int]:
         return {oid: obj.nbytes for oid, obj in self.store.objects.items()}
+
+
+if TYPE_CHECKING:
+    _seam: type[AgentSeam] = FleetAgent  # a fleet agent is what a ClientCore runs on
