@@ -180,8 +180,7 @@ class WriteBehind:
         when it landed, was taken back or failed (False): the local agent's inventory says so.
         ``pod_uid``: reads a receiver pod's uid for a claim queued without one (`create_claim(owner_pod=)`).
         ``on_private(object_id, private)``: told when a private object's create is held (True) and when it
-        is queued, taken back or freed (False); without it no object is private (a standalone agent's
-        inventory cannot say so, and there an unrecorded object must count as leaked)."""
+        is queued, taken back or freed (False); without it (policy "all") no object is private."""
         self.kube = kube
         self.pod_uid = pod_uid
         self.free_local = free_local
