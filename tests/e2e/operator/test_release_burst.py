@@ -27,7 +27,9 @@ def test_a_thousand_releases_at_once_are_all_freed_without_an_operator_error(
     gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
 ) -> None:
     src = pods.workload("src")
-    src.run(f"refs = [client.put([torch.full((4,), float(i))]) for i in range({OBJECTS})]; client.flush(120)", 180)
+    # Named: recorded under every recording policy (an unnamed private one would make no record to free).
+    put = "client.put([torch.full((4,), float(i))], name=f'burst-{i}')"
+    src.run(f"refs = [{put} for i in range({OBJECTS})]; client.flush(120)", 180)
     recorded = kube(gpuobj_cluster, lambda k: k.list(GPUOBJECTS, namespace))["items"]
     assert len(recorded) == OBJECTS
     assert len(agent_http.inventory(pods.endpoint("src"), token_file)["objects"]) == OBJECTS
