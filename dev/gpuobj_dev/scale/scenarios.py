@@ -206,6 +206,9 @@ class LiveView:
     get_p99_s: float | None = None
 
 
+LIST_AFTER_S = 1.5  # longer than the live view's CACHE_SECONDS (1 s)
+
+
 async def live_view(
     h: ScaleHarness, samples: int, progress: Progress, *, batch: int = 10, timeout: float = 30.0
 ) -> LiveView:
@@ -216,7 +219,8 @@ async def live_view(
     would, until the view has it; lag = from just before its put to the answer that listed it. (Ten readers
     at once measured their own load: each request reads the namespace's agents once their answers are
     older than the view's 1 s cache.) List: every live object across namespaces, page after page, against what the
-    fleet's agents hold (the samples included). The samples are released at the end (private: no write)."""
+    fleet's agents hold (the samples included), begun once every agent's cached answer is stale, so the time
+    includes one read of every agent. The samples are released at the end (private: no write)."""
     from gpuobj_dev.scale.liveview import LiveViewClient, object_name
 
     fleet = h.fleet
@@ -254,6 +258,9 @@ async def live_view(
             progress(f"live view: {len(lags)}/{len(chosen)} samples listed, p99 {_fmt(p99(lags))} s")
             # The samples stay until everything is listed: nothing the view may still cache has gone.
             expected = len(fleet.held())
+            # A list as a reader who did not just ask makes it: past the view's 1 s per-pod cache, so its
+            # first page reads every agent (without this wait the gets above may have left them cached).
+            await asyncio.sleep(LIST_AFTER_S)
             listed, pages, seconds = await view.list_all()
         finally:
             for pod, object_id in put:

@@ -163,3 +163,15 @@ def test_every_new_key_is_written_and_judged() -> None:
     assert scale.met("api_writes_per_private_object", 0.0) == "met"
     assert scale.met("api_writes_per_shared_object", 5.1) == "MISS"
     assert scale.met("live_view_lag_p99_s", None) == "MISS (none)"
+
+
+def test_a_missed_or_missing_target_fails_the_run() -> None:
+    """`make bench-scale` exits 1 on these (issue 30: the bench exits non-zero when a target is missed)."""
+    scale = bench()
+    good = {key: (target if how == "le" else target * 2) for key, (target, how) in scale.TARGETS.items()}
+    assert scale.misses(good) == []
+    assert scale.misses({**good, "live_view_list_all_s": 10.5, "churn_per_s": 99.0}) == [
+        "churn_per_s",
+        "live_view_list_all_s",
+    ]
+    assert scale.misses({k: v for k, v in good.items() if k != "wrong_frees"}) == ["wrong_frees"]
