@@ -14,7 +14,7 @@ from gpuobj_agent.layouts import layout_of
 from ..integration.agent.conftest import TOKEN
 from ..integration.agent.test_sharded_fetch import TP, model
 from ..integration.agent.test_weight_sync import Publisher
-from .conftest import DEVICE
+from .conftest import DEVICE, synchronize
 
 
 @pytest.mark.parametrize("dim", [0, 1])
@@ -31,8 +31,8 @@ def test_each_tp_rank_reads_its_half_into_vram_as_one_read_of_half_the_bytes(mak
         select, named = pieces(stored, pub.entries["v1"], Shard(dim=dim, index=rank, count=TP))
         requests, wire = reader.read_requests, reader.read_bytes
         got = unpack(tuple(named), dst.fetch(src.endpoint, "v1", device=DEVICE, token=TOKEN, select=select))
-        torch.cuda.synchronize()
+        synchronize()
         assert reader.read_requests - requests == 1 and reader.read_bytes - wire == full // TP
         for name, t in sd.items():
-            assert got[name].device.type == "cuda", name
+            assert got[name].device == torch.device(DEVICE), name
             assert torch.equal(got[name], torch.chunk(t, TP, dim)[rank]), name

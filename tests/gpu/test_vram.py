@@ -14,7 +14,7 @@ import time
 import pytest
 
 from gpuobj_agent.layouts import TensorLayout
-from gpuobj_dev.testing.agent_workload import AgentProcess
+from gpuobj_dev.testing.agent_workload import AgentProcess, workload_pair
 from gpuobj_dev.testing.waits import wait_until
 
 from ..integration.agent.test_stale_reader import RawReader, raw_sha
@@ -24,29 +24,16 @@ from .conftest import DEVICE, registered_bytes, settle
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A source and a reader workload process for the module; each test leaves them holding nothing."""
-    procs = []
-    try:
-        for name in ("vram-src", "vram-dst"):
-            procs.append(AgentProcess(name, workload=True, workdir=tmp_path_factory.mktemp(name)).start())
+    with workload_pair(("vram-src", "vram-dst"), tmp_path_factory.mktemp) as procs:
         yield procs
-        for proc in procs:
-            proc.stop()
-    finally:
-        for proc in procs:
-            proc.close()
 
 
 def put(proc: AgentProcess, oid: str, layouts: list[TensorLayout], seed: int) -> dict:
-    status, body = proc.request(
-        "POST", "/v1/test/put", {"id": oid, "tensors": [la.to_json() for la in layouts], "seed": seed}
-    )
-    assert status == 200, body
-    return body
+    return proc.test_put(oid, layouts, seed)
 
 
 def fetch(dst: AgentProcess, src: AgentProcess, oid: str, **extra) -> tuple[int, dict]:
-    body = {"endpoint": src.endpoint, "id": oid, "token": dst.reader_token, **extra}
-    return dst.request("POST", "/v1/test/fetch", body)
+    return dst.test_fetch(src, oid, **extra)
 
 
 def free(proc: AgentProcess, oid: str, **body) -> dict:

@@ -14,6 +14,7 @@ start such a workload by hand.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -25,7 +26,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +222,18 @@ class AgentProcess:
         assert status == 200, body
         return body
 
+    def test_put(self, oid: str, layouts: Sequence[TensorLayout], seed: int) -> dict[str, Any]:
+        """Put seeded tensors of these layouts (the workload's test route); asserts it was taken."""
+        body = {"id": oid, "tensors": [la.to_json() for la in layouts], "seed": seed}
+        status, answer = self.request("POST", "/v1/test/put", body)
+        assert status == 200, answer
+        return answer
+
+    def test_fetch(self, src: AgentProcess, oid: str, **extra: Any) -> tuple[int, Any]:
+        """Fetch `oid` from `src` into this process with its reader token (the workload's test route)."""
+        body = {"endpoint": src.endpoint, "id": oid, "token": self.reader_token, **extra}
+        return self.request("POST", "/v1/test/fetch", body)
+
     def stop(self, timeout: float = 60.0, *, check: bool = True) -> int:
         """SIGTERM and wait; with `check`, raise unless it exited 0 (registrations balanced)."""
         if self.proc is None:
@@ -358,3 +371,19 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+@contextlib.contextmanager
+def workload_pair(names: Sequence[str], workdir: Callable[[str], Path]) -> Iterator[list[AgentProcess]]:
+    """Workload processes that live for a test module: stopped (registrations balanced) on the way out,
+    killed and cleaned up whatever happened."""
+    procs: list[AgentProcess] = []
+    try:
+        for name in names:
+            procs.append(AgentProcess(name, workload=True, workdir=workdir(name)).start())
+        yield procs
+        for proc in procs:
+            proc.stop()
+    finally:
+        for proc in procs:
+            proc.close()

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from gpuobj_agent.layouts import DTYPES, TensorLayout
-from gpuobj_dev.testing.agent_workload import AgentProcess
+from gpuobj_dev.testing.agent_workload import AgentProcess, workload_pair
 from gpuobj_dev.testing.waits import wait_until
 
 from .conftest import settle
@@ -18,30 +18,16 @@ pytestmark = pytest.mark.nixl
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """Two workload processes for the whole module; each test leaves them holding nothing."""
-    procs = []
-    try:
-        for name in ("src", "dst"):
-            procs.append(AgentProcess(name, workload=True, workdir=tmp_path_factory.mktemp(name)).start())
+    with workload_pair(("src", "dst"), tmp_path_factory.mktemp) as procs:
         yield procs
-        for proc in procs:
-            proc.stop()
-    finally:
-        for proc in procs:
-            proc.close()
 
 
 def put(proc: AgentProcess, oid: str, layouts: list[TensorLayout], seed: int) -> dict:
-    status, body = proc.request(
-        "POST", "/v1/test/put", {"id": oid, "tensors": [la.to_json() for la in layouts], "seed": seed}
-    )
-    assert status == 200, body
-    return body
+    return proc.test_put(oid, layouts, seed)
 
 
-def fetch(proc: AgentProcess, src: AgentProcess, oid: str, **extra) -> tuple[int, dict]:
-    return proc.request(
-        "POST", "/v1/test/fetch", {"endpoint": src.endpoint, "id": oid, "token": proc.reader_token, **extra}
-    )
+def fetch(dst: AgentProcess, src: AgentProcess, oid: str, **extra) -> tuple[int, dict]:
+    return dst.test_fetch(src, oid, **extra)
 
 
 def free(proc: AgentProcess, oid: str, **body) -> dict:
