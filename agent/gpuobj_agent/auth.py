@@ -134,7 +134,7 @@ class IssuerKeys:
         self._lock = asyncio.Lock()
         self.fetches = 0
 
-    async def _get_json(self, session: aiohttp.ClientSession, url: str) -> dict:
+    async def _get_json(self, session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
         token = self.bearer()
         headers = {
             "Accept": "application/json, application/jwk-set+json",
@@ -186,8 +186,9 @@ class IssuerKeys:
     async def key(self, kid: str) -> tuple[str, jwt.PyJWK] | None:
         """(issuer, key) for a key id; fetches when unknown or stale, never more often than min_refresh."""
         now = time.monotonic()
-        if kid in self._keys and now - self._fetched < self.max_age:
-            return self.issuer, self._keys[kid]  # type: ignore[return-value]
+        issuer = self.issuer  # set with the keys (refresh), so known whenever `kid` is
+        if kid in self._keys and issuer is not None and now - self._fetched < self.max_age:
+            return issuer, self._keys[kid]
         async with self._lock:
             now = time.monotonic()
             stale = kid not in self._keys or now - self._fetched >= self.max_age
@@ -197,7 +198,7 @@ class IssuerKeys:
                 except (IssuerError, aiohttp.ClientError, TimeoutError, OSError) as exc:
                     log.warning("cannot refresh the issuer keys from %s: %s", self.base_url, exc)
             found = self._keys.get(kid)
-            return (self.issuer, found) if found is not None and self.issuer else None  # type: ignore[return-value]
+            return (self.issuer, found) if found is not None and self.issuer else None
 
 
 class RevocationUnknown(AgentError):
@@ -212,7 +213,7 @@ class _Review:
 
     valid_at: float = -float("inf")  # monotonic time of the last review that found it valid
     revoked: bool = False
-    pending: asyncio.Task | None = None
+    pending: asyncio.Task[None] | None = None
 
 
 class Revocations:

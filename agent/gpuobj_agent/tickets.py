@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from gpuobj_agent.registrations import RegionKey
 
@@ -109,12 +110,8 @@ class ReadTickets:
 
     def _remove(self, ticket: ReadTicket) -> None:
         del self._live[ticket.read_id]
-        for index, key in ((self._by_object, ticket.object_id), (self._by_gen, ticket.gid)):
-            ids = index.get(key)  # type: ignore[call-overload]
-            if ids is not None:
-                ids.discard(ticket.read_id)
-                if not ids:
-                    del index[key]  # type: ignore[arg-type]
+        _discard(self._by_object, ticket.object_id, ticket.read_id)
+        _discard(self._by_gen, ticket.gid, ticket.read_id)
 
     def inflight(self, *, object_id: str | None = None, gid: int | None = None) -> int:
         """Live tickets of an object, of a generation, or all of them (expired ones dropped first)."""
@@ -136,3 +133,15 @@ class ReadTickets:
     def live(self) -> list[ReadTicket]:
         self.expire()
         return list(self._live.values())
+
+
+_Key = TypeVar("_Key", str, int)
+
+
+def _discard(index: dict[_Key, set[str]], key: _Key, read_id: str) -> None:
+    """Drop a ticket from one index, and the key with its last ticket (an index holds no empty sets)."""
+    ids = index.get(key)
+    if ids is not None:
+        ids.discard(read_id)
+        if not ids:
+            del index[key]
