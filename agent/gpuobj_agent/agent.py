@@ -106,7 +106,7 @@ class Agent:
         self.fetcher: Fetcher | None = None
         self.pool: LandingPool | None = None
         self._reader: NixlAgent | None = None
-        self._trim_task: asyncio.Task | None = None
+        self._trim_task: asyncio.Task[None] | None = None
         self._extra_routes = extra_routes
         self._runner: web.AppRunner | None = None
         self.certificate: AgentCertificate | None = None  # config.tls == "csr": the serving certificate

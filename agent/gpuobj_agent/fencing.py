@@ -85,7 +85,8 @@ from gpuobj_agent.generations import LANES, TENURED, YOUNG, Generation
 from gpuobj_agent.metrics import AgentMetrics
 from gpuobj_agent.nixl_state import NixlState
 from gpuobj_agent.nixl_transport import NixlAgent
-from gpuobj_agent.registrations import RegionReused
+from gpuobj_agent.objects import StoredObject
+from gpuobj_agent.registrations import RegionKey, RegionReused
 from gpuobj_agent.store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -140,16 +141,16 @@ class Fencer:
         self._teardown = ThreadPoolExecutor(1, thread_name_prefix="gpuobj-nixl-teardown")
         self._factory = agent_factory
         self._clock = clock
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._spare: Generation | None = None
-        self._spare_task: asyncio.Task | None = None
+        self._spare_task: asyncio.Task[None] | None = None
         self._spare_failed_at: float | None = None
         self._stopping = False
         # Private agents for pooled regions (pooled.py): PRIVATE_SPARES kept ready, oldest first, so that a
         # region rarely waits for one, and the one taken next was announced to readers while ready
         # (`ready_private`) even when versions come faster than an agent is made (20-150 ms).
         self._private_spares: collections.deque[Generation] = collections.deque()
-        self._private_task: asyncio.Task | None = None
+        self._private_task: asyncio.Task[None] | None = None
         self._private_waiters: list[asyncio.Event] = []
         nixl.new_private = self.new_private
         nixl.next_private = self.ready_private
@@ -435,7 +436,8 @@ class Fencer:
         async with nixl.lock:
             if nixl.gens.active_in(TENURED) is not target:
                 return 0
-            batch, new_keys = [], []
+            batch: list[StoredObject] = []
+            new_keys: list[RegionKey] = []
             for oid in list(members):
                 if len(batch) >= MIGRATION_CHUNK:
                     break

@@ -147,9 +147,11 @@ async def serve(config: AgentConfig, extra_routes: Callable[[web.Application], N
     agent = Agent(config, extra_routes=extra_routes)
     try:
         await agent.start()
+        active = agent.nixl.gens.active
+        assert active is not None  # start() made the first generation
         print(
             f"gpuobj agent listening on {agent.scheme}://{agent.endpoint} (pod {config.namespace}/{config.pod_name}, "
-            f"incarnation {agent.incarnation}, NIXL agent {agent.nixl.gens.active.name})",
+            f"incarnation {agent.incarnation}, NIXL agent {active.name})",
             flush=True,
         )
         await stop.wait()

@@ -17,13 +17,16 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Executor
-from typing import Any
+from typing import TypeVar, TypeVarTuple
 
 from gpuobj_agent.errors import TransportError
 from gpuobj_agent.generations import Generation, GenerationTable
 from gpuobj_agent.metrics import AgentMetrics
 from gpuobj_agent.quarantine import Quarantine
 from gpuobj_agent.registrations import RegionKey, RegistrationLedger
+
+_T = TypeVar("_T")
+_Args = TypeVarTuple("_Args")
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +52,7 @@ class NixlState:
         self._clock = clock
         # Requests to the fencer (fencing.py serves them).
         self.wake = asyncio.Event()
-        self._forced: list[asyncio.Future] = []
+        self._forced: list[asyncio.Future[None]] = []
         self._urgent: set[int] = set()  # generations someone waits to see fenced: rotate without batching
         self._retired: dict[int, asyncio.Event] = {}
         # Private NIXL agents for pooled regions (pooled.py), made and destroyed by the fencer, which sets
@@ -68,7 +71,7 @@ class NixlState:
         self.registered_ahead = 0
 
     # -- the control thread ---------------------------------------------------------------
-    async def control(self, fn: Callable, *args: Any) -> Any:
+    async def control(self, fn: Callable[[*_Args], _T], *args: *_Args) -> _T:
         """Run a NIXL call on the control thread."""
         return await asyncio.get_running_loop().run_in_executor(self._control_executor, fn, *args)
 
@@ -128,7 +131,7 @@ class NixlState:
 
     async def rotate_now(self, timeout: float = 30.0) -> None:
         """Rotate the young agent as soon as a spare is ready (a region must be registered anew)."""
-        fut = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._forced.append(fut)
         self.poke()
         async with asyncio.timeout(timeout):
