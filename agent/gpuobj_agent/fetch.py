@@ -49,7 +49,7 @@ from gpuobj_agent.errors import (
 )
 from gpuobj_agent.layouts import TensorLayout, allocate, normalize_device
 from gpuobj_agent.metrics import AgentMetrics
-from gpuobj_agent.nixl_transport import NixlAgent, Span
+from gpuobj_agent.nixl_transport import NixlAgent, Span, XferHandle
 from gpuobj_contract import agent_api as api
 from gpuobj_contract import agent_tls, names
 
@@ -114,7 +114,7 @@ class _Slot:
     """One prepared READ into one bound landing buffer."""
 
     bound: Bound
-    xfer: object
+    xfer: XferHandle
     posting: bool = True  # a fetch is reading into it (taken by its creator first)
     doomed: bool = False  # its remote agent was forgotten while it was posting: drop after
 
@@ -171,7 +171,7 @@ class Fetcher:
         self._session: aiohttp.ClientSession | None = None
         self._sources: dict[str, tuple[str, set[str]]] = {}  # endpoint -> (incarnation, loaded agent names)
         self._grant_gens: dict[str, tuple[str, int]] = {}  # endpoint -> (incarnation, newest grant's generation)
-        self._enders: set[asyncio.Task] = set()
+        self._enders: set[asyncio.Task[None]] = set()
         self._direct_lock = threading.Lock()
         self._direct_loaded: dict[str, set[int]] = {}  # remote agent -> metadata blobs loaded by direct reads
         self._grant_cache: dict[int, _GrantEntry] = {}  # id(grant) -> entry, oldest first
@@ -597,7 +597,7 @@ class Fetcher:
         layouts: list[TensorLayout],
         device: str,
         deadline: float,
-        abort: threading.Event,
+        abort: threading.Event | None,
         forget: list[str],
         notify: bytes,
         select: Sequence[Piece] | None = None,
@@ -746,7 +746,7 @@ class Fetcher:
         endpoint: str,
         deadline: float,
         headers: dict[str, str],
-        body: dict | None,
+        body: dict[str, Any] | None,
         *,
         object_id: str | None = None,
         **params: str,

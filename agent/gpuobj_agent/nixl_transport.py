@@ -22,6 +22,8 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Protocol
 
 import torch
 
@@ -30,17 +32,48 @@ from gpuobj_agent.registrations import RegionKey
 
 log = logging.getLogger(__name__)
 
-_api = None
+_api: ModuleType | None = None
 
 
-def nixl_api():
+def nixl_api() -> ModuleType:
     """Import nixl once, on first use: importing it costs about a second."""
     global _api
     if _api is None:
-        import nixl._api as api
+        import nixl._api as api  # type: ignore[import-untyped]  # nixl ships no type stubs (no py.typed)
 
         _api = api
     return _api
+
+
+class XferHandle(Protocol):
+    """A NIXL transfer request (nixl's `nixl_xfer_handle`): posted, polled, released."""
+
+    def release(self) -> None: ...
+
+
+class RegDList(Protocol):
+    """A NIXL registration descriptor list (`nixlRegDList`): what register/deregister take."""
+
+    def descCount(self) -> int: ...
+
+
+class _NixlImpl(Protocol):
+    """The calls this module makes on a nixl `nixl_agent` (nixl ships no types: written from its use here)."""
+
+    def register_memory(self, dlist: RegDList) -> object: ...
+    def deregister_memory(self, dlist: RegDList) -> None: ...
+    def get_partial_agent_metadata(self, dlist: RegDList, inc_conn_info: bool) -> bytes: ...
+    def get_agent_metadata(self) -> bytes: ...
+    def get_serialized_descs(self, dlist: object) -> bytes: ...
+    def add_remote_agent(self, metadata: bytes) -> bytes | str: ...
+    def make_connection(self, name: str) -> None: ...
+    def get_new_notifs(self) -> dict[str, list[bytes]]: ...
+    def remove_remote_agent(self, name: str) -> None: ...
+    def initialize_xfer(
+        self, op: str, local: object, remote: object, remote_agent: str, notif_msg: bytes = b""
+    ) -> XferHandle: ...
+    def transfer(self, handle: XferHandle) -> str: ...
+    def check_xfer_state(self, handle: XferHandle) -> str: ...
 
 
 def region_of(tensor: torch.Tensor) -> RegionKey | None:
@@ -61,14 +94,14 @@ def exact_regions(spans: Sequence[Span | None]) -> list[RegionKey]:
     Why not the storage: a 4 KiB object that views a 1 MiB tensor would hand its readers the keys to
     the whole MiB (another user's data, on transports that bound reads by the registration).
     """
-    merged: list[list] = []
+    merged: list[RegionKey] = []
     for s in sorted((s for s in spans if s is not None), key=lambda s: (s.mem, s.dev, s.addr)):
         last = merged[-1] if merged else None
-        if last is not None and (last[0], last[1]) == (s.mem, s.dev) and s.addr <= last[2] + last[3]:
-            last[3] = max(last[3], s.addr + s.nbytes - last[2])
+        if last is not None and (last.mem, last.dev) == (s.mem, s.dev) and s.addr <= last.addr + last.nbytes:
+            merged[-1] = last._replace(nbytes=max(last.nbytes, s.addr + s.nbytes - last.addr))
         else:
-            merged.append([s.mem, s.dev, s.addr, s.nbytes])
-    return [RegionKey(*m) for m in merged]
+            merged.append(RegionKey(s.mem, s.dev, s.addr, s.nbytes))
+    return merged
 
 
 @dataclass(frozen=True)
@@ -88,7 +121,7 @@ class Span:
             return cls("VRAM", tensor.device.index or 0, tensor.data_ptr(), tensor.nbytes)
         return cls("DRAM", 0, tensor.data_ptr(), tensor.nbytes)
 
-    def to_json(self) -> list:
+    def to_json(self) -> list[str | int]:
         return [self.mem, self.dev, self.addr, self.nbytes]
 
 
@@ -98,10 +131,11 @@ def nixl_error_name(exc: BaseException) -> str:
     return text.splitlines()[0][:200]
 
 
-def _make_agent(name: str, progress_thread: bool, progress_delay_us: int):
+def _make_agent(name: str, progress_thread: bool, progress_delay_us: int) -> _NixlImpl:
     api = nixl_api()
+    base: Any = api.nixl_agent  # untyped (nixl ships no stubs)
 
-    class _Agent(api.nixl_agent):
+    class _Agent(base):  # type: ignore[misc]  # subclasses nixl's untyped nixl_agent
         """nixl_agent with a progress-thread poll delay (see the module docstring)."""
 
         def __init__(self) -> None:  # replaces nixl_agent.__init__: same attributes, our config
@@ -114,14 +148,15 @@ def _make_agent(name: str, progress_thread: bool, progress_delay_us: int):
             cfg.captureTelemetry = False
             self.agent = bind.nixlAgent(name, cfg)
             self.name = name
-            self._leaked_xfer_handles = []
-            self.notifs = {}
-            self.backends = {}
-            self.backend_mems = {}
-            self.backend_options = {}
+            # nixl_agent.__init__'s attributes, which its methods read (types as nixl 1.5.1 fills them).
+            self._leaked_xfer_handles: list[Any] = []
+            self.notifs: dict[str, list[bytes]] = {}
+            self.backends: dict[str, Any] = {}
+            self.backend_mems: dict[str, Any] = {}
+            self.backend_options: dict[str, Any] = {}
             self.plugin_list = self.agent.getAvailPlugins()
-            self.plugin_b_options = {}
-            self.plugin_mem_types = {}
+            self.plugin_b_options: dict[str, Any] = {}
+            self.plugin_mem_types: dict[str, Any] = {}
             if "UCX" not in self.plugin_list:
                 raise TransportError(f"the NIXL UCX plugin is not available (plugins: {self.plugin_list})")
             self.backends["UCX"] = self.agent.createBackend("UCX", {})
@@ -141,13 +176,15 @@ class NixlAgent:
     def __init__(self, name: str, *, progress_thread: bool = True, progress_delay_us: int = 1000) -> None:
         self.name = name
         try:
-            self._impl = _make_agent(name, progress_thread, progress_delay_us)
+            self._impl: _NixlImpl | None = _make_agent(name, progress_thread, progress_delay_us)
         except TransportError:
             raise
         except Exception as exc:
             raise TransportError(f"creating NIXL agent {name} failed: {nixl_error_name(exc)}") from exc
         self._lock = threading.Lock()
-        self._graveyard: list[tuple[object, list[torch.Tensor]]] = []  # transfers that could not be cancelled yet
+        self._graveyard: list[
+            tuple[list[XferHandle], list[torch.Tensor]]
+        ] = []  # transfers that could not be cancelled yet
         self.local_registrations = 0
         self.local_deregistrations = 0
         self.read_requests = 0  # NIXL READ requests posted by `read` (one per memory-type pair)
@@ -164,13 +201,13 @@ class NixlAgent:
     def closed(self) -> bool:
         return self._impl is None
 
-    def _a(self):
+    def _a(self) -> _NixlImpl:
         if self._impl is None:
             raise TransportError(f"NIXL agent {self.name} is closed")
         return self._impl
 
     # -- source side -------------------------------------------------------------------
-    def _reg_dlists(self, keys: Iterable[RegionKey]):
+    def _reg_dlists(self, keys: Iterable[RegionKey]) -> list[tuple[str, RegDList]]:
         bind = nixl_api().nixlBind
         groups: dict[str, list[tuple[int, int, int, str]]] = {}
         for key in keys:
@@ -180,7 +217,7 @@ class NixlAgent:
 
     def register(self, keys: Sequence[RegionKey]) -> None:
         """Register regions (the ledger guarantees none is registered here already)."""
-        done = []
+        done: list[RegDList] = []
         try:
             for _, dlist in self._reg_dlists(keys):
                 self._a().register_memory(dlist)
@@ -290,7 +327,7 @@ class NixlAgent:
             self._deregister_local(regs)
 
     # -- prepared reads: created once, re-posted per fetch ------------------------------
-    def prepare_read(self, remote_agent: str, remote: Sequence[Span], local: Sequence[Span]) -> object | None:
+    def prepare_read(self, remote_agent: str, remote: Sequence[Span], local: Sequence[Span]) -> XferHandle | None:
         """A READ of `remote` into registered `local` memory, created once to be re-posted (`repost`).
 
         Why: creating, posting and releasing a transfer per fetch is most of a small fetch's time
@@ -311,7 +348,7 @@ class NixlAgent:
         except Exception as exc:
             raise TransportError(f"preparing a NIXL read from {remote_agent} failed: {nixl_error_name(exc)}") from exc
 
-    def repost(self, handle: object, deadline: float, abort: threading.Event | None = None) -> None:
+    def repost(self, handle: XferHandle, deadline: float, abort: threading.Event | None = None) -> None:
         """Post a prepared READ again and wait for it (TransportError on error, timeout or abort)."""
         try:
             state = self._a().transfer(handle)
@@ -322,7 +359,7 @@ class NixlAgent:
         except Exception as exc:
             raise TransportError(f"NIXL read failed: {nixl_error_name(exc)}") from exc
 
-    def release_prepared(self, handle: object, keep: Sequence[torch.Tensor]) -> None:
+    def release_prepared(self, handle: XferHandle, keep: Sequence[torch.Tensor]) -> None:
         """Release a prepared READ; one NIXL cannot release yet keeps `keep` (its local memory) alive."""
         self._release([handle], keep)
 
@@ -341,7 +378,7 @@ class NixlAgent:
         groups: dict[tuple[str, str], list[tuple[Span, Span]]] = {}
         for r, m in items:
             groups.setdefault((r.mem, m.mem), []).append((r, m))
-        handles: list = []
+        handles: list[XferHandle] = []
         try:
             for (rmem, lmem), group in groups.items():
                 ldl = bind.nixlXferDList(segs[lmem], [(m.addr, m.nbytes, m.dev) for _, m in group])
@@ -360,7 +397,9 @@ class NixlAgent:
             raise TransportError(f"NIXL read from {remote_agent} failed: {nixl_error_name(exc)}") from exc
         self._release(handles, keep)
 
-    def _wait(self, handles: list, states: list[str], deadline: float, abort: threading.Event | None) -> None:
+    def _wait(
+        self, handles: list[XferHandle], states: list[str], deadline: float, abort: threading.Event | None
+    ) -> None:
         spin_until = time.monotonic() + 0.005
         while True:
             if "ERR" in states:
@@ -376,8 +415,8 @@ class NixlAgent:
                 time.sleep(0.00005)
             states = [s if s == "DONE" else self._a().check_xfer_state(h) for s, h in zip(states, handles, strict=True)]
 
-    def _release(self, handles: list, local: Sequence[torch.Tensor]) -> None:
-        stuck = []
+    def _release(self, handles: list[XferHandle], local: Sequence[torch.Tensor]) -> None:
+        stuck: list[XferHandle] = []
         for h in handles:
             try:
                 h.release()
@@ -391,9 +430,9 @@ class NixlAgent:
     def _reap(self, final: bool = False) -> None:
         with self._lock:
             graves, self._graveyard = self._graveyard, []
-        keep = []
+        keep: list[tuple[list[XferHandle], list[torch.Tensor]]] = []
         for handles, tensors in graves:
-            left = []
+            left: list[XferHandle] = []
             for h in handles:
                 try:
                     h.release()
@@ -407,10 +446,10 @@ class NixlAgent:
             with self._lock:
                 self._graveyard.extend(keep)
 
-    def _register_local(self, tensors: Sequence[torch.Tensor]) -> list:
+    def _register_local(self, tensors: Sequence[torch.Tensor]) -> list[RegDList]:
         keys = list(dict.fromkeys(k for k in (region_of(t) for t in tensors) if k is not None))
         dlists = [d for _, d in self._reg_dlists(keys)]
-        done = []
+        done: list[RegDList] = []
         try:
             for d in dlists:
                 self._a().register_memory(d)
@@ -422,7 +461,7 @@ class NixlAgent:
             self.local_registrations += sum(d.descCount() for d in done)
         return done
 
-    def _deregister_local(self, dlists: list) -> None:
+    def _deregister_local(self, dlists: list[RegDList]) -> None:
         for d in dlists:
             try:
                 self._a().deregister_memory(d)
