@@ -17,7 +17,7 @@ DELEGATED = {
 }
 
 
-def add_delegated(sub: argparse._SubParsersAction, table: dict[str, tuple[str, str]]) -> None:
+def add_delegated(sub: argparse._SubParsersAction[argparse.ArgumentParser], table: dict[str, tuple[str, str]]) -> None:
     """Subcommands whose module parses its own arguments (listed in --help, imported only when run)."""
     for name, (_, help_text) in table.items():
         p = sub.add_parser(name, help=help_text, add_help=False)

@@ -13,9 +13,12 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuobj_contract.layouts import TensorLayout
+
+if TYPE_CHECKING:
+    from gpuobj.client.agent_seam import Grant  # annotations only: handles stay importable without torch
 
 __all__ = ["ObjectAddress", "ObjectRef", "SharedRef", "TensorLayout"]
 
@@ -74,7 +77,7 @@ class ObjectRef:
         claim_name: str | None = None,
         claim_uid: str | None = None,
         record: Any = None,
-        grant: dict | None = None,
+        grant: Grant | None = None,
         via: tuple[str, str] | None = None,
         expires_at: float | None = None,
     ) -> None:
@@ -87,7 +90,7 @@ class ObjectRef:
         # where a hand-off claim's release goes: (endpoint, pod uid) of the source agent that queued it
         self.via = via
         self._record = record  # the write-behind record, while this process writes it
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[..., ObjectRef] | None = None
         if release is not None and kind == "owner":
             self._finalizer = weakref.finalize(
                 self, release, "object", address.namespace, address.name, address.uid, None
@@ -136,7 +139,7 @@ class ObjectRef:
         if self._finalizer is not None:
             self._finalizer.detach()
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[[ObjectAddress], ObjectRef], tuple[ObjectAddress]]:
         # A pickled handle carries the address only: the receiving process holds no
         # reference until it adopts a share or borrows (see Client.share / Client.adopt).
         return (_rebuild_address_ref, (self.address,))
@@ -163,6 +166,6 @@ class SharedRef:
     claim_uid: str  # "" while the source's write-behind has not recorded the claim
     holder_pod: str
     read_once: bool = False  # the receiver's handle releases itself after its first completed fetch
-    grant: dict | None = None  # read grant from the source: a fetch needs no request (see the agent's Reads.grant)
+    grant: Grant | None = None  # read grant from the source: a fetch needs no request (see the agent's Reads.grant)
     release_via: str | None = None  # the source agent that takes this claim's release
     expires_at: float | None = None  # the claim's ttl from its making (time.time()): the receiver's handle ends then
