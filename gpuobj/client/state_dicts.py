@@ -33,13 +33,20 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuobj.client.errors import InvalidTensorError
 from gpuobj_contract.layouts import MAX_TENSORS
 
+if TYPE_CHECKING:
+    import torch
+
 # (name, index of the stored tensor): several names may share one index (tied weights).
 Entries = tuple[tuple[str, int], ...]
+# Each stored tensor's (shape, dtype), then the device: equal signatures, the same buffer layout.
+Signature = tuple[tuple[tuple[int, ...], str] | str, ...]
+# A view's identity: ((device, storage pointer), storage offset, shape, stride, dtype).
+ViewIdentity = tuple[tuple[str, int], "int | torch.SymInt", tuple[int, ...], tuple[int, ...], "torch.dtype"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +58,7 @@ class PackPlan:
     offsets: tuple[int, ...]  # byte offset of each stored tensor in the buffer
     nbytes: int  # the buffer's size: the stored tensors back to back
     device: str
-    signature: tuple  # same signature, same buffer layout: what the pool keys on
+    signature: Signature  # same signature, same buffer layout: what the pool keys on
 
 
 def is_state_dict(obj: Any) -> bool:
@@ -76,7 +83,7 @@ def plan(state_dict: Mapping[Any, Any]) -> PackPlan:
 
     if not state_dict:
         raise InvalidTensorError("put: the state dict is empty (pass a mapping of names to tensors)")
-    seen: dict[tuple, int] = {}  # a view's identity -> index among the distinct tensors
+    seen: dict[ViewIdentity, int] = {}  # a view's identity -> index among the distinct tensors
     distinct: list[Any] = []
     named: list[tuple[str, int]] = []
     by_storage: dict[tuple[str, int], list[tuple[int, int, str]]] = {}
@@ -129,13 +136,14 @@ def plan(state_dict: Mapping[Any, Any]) -> PackPlan:
     for t in sources:
         offsets.append(total)
         total += t.numel() * t.element_size()
-    signature = (*((tuple(t.shape), str(t.dtype)) for t in sources), devices.pop())
+    device = devices.pop()
+    signature: Signature = (*((tuple(t.shape), str(t.dtype)) for t in sources), device)
     return PackPlan(
         entries=tuple((name, remap[i]) for name, i in named),
         sources=sources,
         offsets=tuple(offsets),
         nbytes=total,
-        device=signature[-1],
+        device=device,
         signature=signature,
     )
 
@@ -178,9 +186,9 @@ class PackPool:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._idle: dict[tuple, list[Pack]] = {}
-        self._busy: dict[int, tuple[tuple, Tag | None]] = {}  # id(pack) -> (signature, the object in it)
-        self._waiters: list[tuple[tuple, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._idle: dict[Signature, list[Pack]] = {}
+        self._busy: dict[int, tuple[Signature, Tag | None]] = {}  # id(pack) -> (signature, the object in it)
+        self._waiters: list[tuple[Signature, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self.allocated = 0  # buffers made (each is one NIXL registration on its first put)
         self.reused = 0
         self.bytes = 0  # bytes of every buffer the pool made (idle or holding a version)
