@@ -11,7 +11,7 @@ deleting the stream frees every item, reported or not.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from gpuobj.client.errors import StreamClosedError
@@ -19,9 +19,11 @@ from gpuobj.client.handles import ObjectAddress
 from gpuobj_contract import names
 from gpuobj_contract import resources as crd
 from gpuobj_kube.client import GPUOBJECTS, STREAMS
-from gpuobj_kube.informer import Informer, InformerFailed, wait_for
+from gpuobj_kube.informer import JSON, Informer, InformerFailed, wait_for
 
 if TYPE_CHECKING:
+    import torch
+
     from gpuobj.client.core import ClientCore
     from gpuobj.client.loop import Runner
 
@@ -89,7 +91,7 @@ class StreamReader:
         """Watch errors other than 410 seen so far (each retried), for observability."""
         return sum(i.errors for i in self._informers)
 
-    def _informer(self, on_event: Callable[[dict, bool], None], **watch: Any) -> Informer:
+    def _informer(self, on_event: Callable[[JSON, bool], None], **watch: Any) -> Informer:
         """List then watch, feeding ``on_event(obj, deleted)``: the informer relists at once on 410, retries
         other errors with backoff and ends with the real one once they persist (WATCH_GIVE_UP_SECONDS)."""
         return Informer(
@@ -105,12 +107,12 @@ class StreamReader:
 
     def _start_watches(self) -> None:
         """One watch on the stream's items and one on the stream, for the whole read: no request per item."""
-        self._items: dict[int, dict] = {}
+        self._items: dict[int, JSON] = {}
         self._end: int | None = None
         self._gone: str | None = None
         self._changed = asyncio.Event()
 
-        def on_item(obj: dict, deleted: bool) -> None:
+        def on_item(obj: JSON, deleted: bool) -> None:
             item = crd.GPUObjectSpec.from_json(obj.get("spec")).stream
             index = item.index if item is not None else -1
             if deleted or obj["metadata"].get("deletionTimestamp"):
@@ -119,7 +121,7 @@ class StreamReader:
                 self._items[index] = obj
             self._changed.set()
 
-        def on_stream(obj: dict, deleted: bool) -> None:
+        def on_stream(obj: JSON, deleted: bool) -> None:
             if deleted or obj["metadata"].get("deletionTimestamp"):
                 self._gone = f"stream {self.core.namespace}/{self.name} was deleted"
             end = (obj["metadata"].get("annotations") or {}).get(names.ANNOTATION_STREAM_END)
@@ -139,10 +141,10 @@ class StreamReader:
         for informer in self._informers:
             await informer.stop()
 
-    async def _next_item(self, index: int) -> tuple[dict | None, bool]:
+    async def _next_item(self, index: int) -> tuple[JSON | None, bool]:
         """Wait for item ``index``; (None, True) at the end of the stream. Bounded by ``item_timeout``."""
 
-        async def wait() -> tuple[dict | None, bool]:
+        async def wait() -> tuple[JSON | None, bool]:
             while True:
                 for task in (i.task for i in self._informers):
                     if (
@@ -173,7 +175,7 @@ class StreamReader:
     async def _advance(self, index: int) -> None:
         await self.core.advance_stream(self.name, index + 1)
 
-    async def aiter(self) -> AsyncIterator[list]:
+    async def aiter(self) -> AsyncGenerator[list[torch.Tensor], None]:
         if self.position is None:
             # The producer may not have created the stream yet: wait for it (bounded).
             try:
@@ -208,7 +210,7 @@ class StreamReader:
         finally:
             await self._stop_watches()
 
-    def __iter__(self) -> Iterator[list]:
+    def __iter__(self) -> Iterator[list[torch.Tensor]]:
         agen = self.aiter()
         while True:
             try:
@@ -216,10 +218,10 @@ class StreamReader:
             except StopAsyncIteration:
                 return
 
-    def __aiter__(self) -> AsyncIterator[list]:
+    def __aiter__(self) -> AsyncIterator[list[torch.Tensor]]:
         return self._aiter_other_loop()
 
-    async def _aiter_other_loop(self) -> AsyncIterator[list]:
+    async def _aiter_other_loop(self) -> AsyncIterator[list[torch.Tensor]]:
         agen = self.aiter()
         while True:
             try:
@@ -228,7 +230,7 @@ class StreamReader:
                 return
 
 
-def _address_of(obj: dict) -> ObjectAddress:
+def _address_of(obj: JSON) -> ObjectAddress:
     meta = obj["metadata"]
     spec = crd.GPUObjectSpec.from_json(obj["spec"])
     transport = crd.GPUObjectStatus.from_json(obj.get("status")).transport
