@@ -110,7 +110,7 @@ class Record:
 class Write:
     verb: str  # "create" | "delete"
     record: Record
-    body: dict | None = None
+    body: dict[str, Any] | None = None
     # A claim for a receiver whose pod uid the caller did not know: (namespace, pod name), read before the create.
     owner_pod: tuple[str, str] | None = None
 
@@ -200,7 +200,7 @@ class WriteBehind:
         self.unreported: list[BaseException] = []  # refusals for good that no flush has raised yet
         self.in_flight = InFlightLimit(concurrency)
         self._changed = asyncio.Event()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._timers: set[asyncio.TimerHandle] = set()
         self._closed = False
 
@@ -238,7 +238,7 @@ class WriteBehind:
             self._kick(fam)
 
     async def create_object(
-        self, namespace: str, name: str, body: dict, object_id: str, *, private: bool = False
+        self, namespace: str, name: str, body: dict[str, Any], object_id: str, *, private: bool = False
     ) -> Record:
         """Queue a GPUObject create; returns its record at once (after backpressure, if full).
 
@@ -280,7 +280,7 @@ class WriteBehind:
         self._schedule(fam, max(0.0, fam.born + self.window - self.clock()))
 
     async def create_claim(
-        self, namespace: str, object_name: str, claim_name: str, body: dict, *, owner_pod: str | None = None
+        self, namespace: str, object_name: str, claim_name: str, body: dict[str, Any], *, owner_pod: str | None = None
     ) -> Record:
         """Queue a claim create, ordered after its object's create when this process queued that.
 
@@ -376,7 +376,7 @@ class WriteBehind:
         handle: asyncio.TimerHandle | None = None
 
         def fire() -> None:
-            self._timers.discard(handle)  # type: ignore[arg-type]
+            self._timers.discard(handle)
             self._start(fam)
 
         handle = loop.call_later(delay, fire)
@@ -627,7 +627,7 @@ def _overloaded(exc: ApiError) -> bool:
     return exc.status == 429 or exc.status >= 500 or isinstance(exc, ApiTimeout)
 
 
-def _ours(kind: str, created: dict, body: dict) -> bool:
+def _ours(kind: str, created: dict[str, Any], body: dict[str, Any]) -> bool:
     """Whether what holds our name is what an earlier try of ours created (its answer lost): a GPUObject of
     the same agent object (spec.objectId), a claim on the same GPUObject (spec.objectName; its objectUID is
     left out, as the one we pinned may differ from a retry's)."""
@@ -643,7 +643,7 @@ def _ours(kind: str, created: dict, body: dict) -> bool:
         return False
 
 
-def _whose(kind: str, created: dict) -> str:
+def _whose(kind: str, created: dict[str, Any]) -> str:
     """Who holds the name, as far as its spec says: a GPUObject's source pod, a claim's holder pod."""
     try:
         if kind == "object":
