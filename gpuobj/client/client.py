@@ -20,7 +20,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from gpuobj.client.agent_seam import AgentSeam
 from gpuobj.client.core import ClientCore, describe_ref
 from gpuobj.client.handles import ObjectAddress, ObjectRef, SharedRef
 from gpuobj.client.loop import LoopThread, Runner
+from gpuobj.client.reads import Fetched
 from gpuobj.client.shards import Shard
 from gpuobj.client.streams import StreamReader, StreamWriter
 from gpuobj.client.writebehind import DEFAULT_MAX_PENDING, DEFAULT_WINDOW
@@ -51,7 +52,7 @@ def _env_float(name: str, default: float) -> float:
         raise ValueError(f"${name} must be a number, not {raw!r}") from None
 
 
-def _at_shutdown(fn) -> None:
+def _at_shutdown(fn: Callable[[], object]) -> None:
     """Run ``fn`` when the interpreter starts shutting down, before thread pools refuse work.
 
     Plain atexit handlers run after concurrent.futures has shut its executors down, when
@@ -81,7 +82,7 @@ def _pod_environment(**given: Any) -> dict[str, Any]:
         "port": agent_config.PORT_ENV,
     }
     values = {key: given[key] if given.get(key) is not None else os.environ.get(var) for key, var in sources.items()}
-    values["port"] = values["port"] or names.DEFAULT_AGENT_PORT
+    port: int | str = values.pop("port") or names.DEFAULT_AGENT_PORT  # given as an int, or $GPUOBJ_AGENT_PORT
     missing = [sources[k] for k, v in values.items() if not v]
     if missing:
         raise errors.ConfigurationError(
@@ -89,9 +90,9 @@ def _pod_environment(**given: Any) -> dict[str, Any]:
             "(see docs/workload-pods.md and deploy/examples/workload-pod.yaml), or pass the arguments"
         )
     try:
-        values["port"] = int(values["port"])
+        values["port"] = int(port)
     except ValueError:
-        raise errors.ConfigurationError(f"{agent_config.PORT_ENV}={values['port']!r} is not a port number") from None
+        raise errors.ConfigurationError(f"{agent_config.PORT_ENV}={port!r} is not a port number") from None
     return values
 
 
@@ -265,7 +266,7 @@ class Client:
             self.core.put(tensors, name=name, labels=labels, copy=copy, shared_with=shared_with), "put"
         )
 
-    def fetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu", select: Shard | None = None) -> list | dict:
+    def fetch(self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu", select: Shard | None = None) -> Fetched:
         """The object's tensors: a list, or the mapping of names to tensors it was put as.
 
         `select` (gpuobj.Shard): only some names and/or one slice of each tensor along a dimension, read as
@@ -314,11 +315,11 @@ class Client:
     async def aflush(self, timeout: float | None = None) -> None:
         await self._loop.acall(self.core.flush(timeout), self.timeout if timeout is None else timeout + 5)
 
-    def pack_stats(self) -> dict:
+    def pack_stats(self) -> dict[str, Any]:
         """State dicts' pack buffers (docs/weight-sync.md): made, reused, bytes, peak bytes holding versions."""
         return self.core.packs.stats()
 
-    def write_stats(self) -> dict:
+    def write_stats(self) -> dict[str, Any]:
         """The write-behind queue: pending writes, families, sent, elided, retries, last error."""
         return self.runner.call(self.core.write_stats(), "read the write-behind stats")
 
@@ -329,7 +330,7 @@ class Client:
         except Exception as exc:
             raise errors.agent_error(exc, what=f"publish {key!r}") from exc
 
-    def get_object(self, name: str) -> dict:
+    def get_object(self, name: str) -> dict[str, Any]:
         return self.runner.call(self.core.get_object(name), f"get GPUObject {name}")
 
     # ------------------------------------------------------------ async facade (asyncio workloads)
@@ -349,7 +350,7 @@ class Client:
 
     async def afetch(
         self, ref: ObjectRef | ObjectAddress, *, device: str = "cpu", select: Shard | None = None
-    ) -> list | dict:
+    ) -> Fetched:
         return await self.runner.acall(self.core.fetch(ref, device=device, select=select), f"fetch {describe_ref(ref)}")
 
     async def aborrow(self, ref: ObjectRef | ObjectAddress, *, ttl: int | None = None) -> ObjectRef:
