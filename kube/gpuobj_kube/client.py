@@ -18,6 +18,13 @@ import aiohttp
 
 from gpuobj_contract import names
 
+# The longest watch event line read: an event carries a whole object, and aiohttp's line reader stops at
+# 512 KiB, which a GPUObject near the CRD's limits applied with `kubectl apply` (its spec
+# again in the last-applied annotation) passes; the watch then failed and relisted forever (issue 32).
+# The API server takes requests up to 3 MiB and etcd stores objects up to 1.5 MiB by default: 8 MiB is
+# over twice either, and only bounds the buffer of one line, which is as long as the event it holds.
+WATCH_LINE_LIMIT = 8 << 20
+
 if TYPE_CHECKING:  # gpuobj_kube.config imports the kubernetes package; its errors below must not need it
     from gpuobj_kube.config import KubeConfig
 
@@ -357,7 +364,7 @@ class KubeClient:
             if resp.status == 401:  # the caller watches again, with credentials loaded again
                 await asyncio.to_thread(self.config.invalidate)
             await self._raise_for(resp)
-            async for raw in resp.content:
+            while raw := await _watch_line(resp.content):
                 line = raw.strip()
                 if not line:
                     continue
@@ -367,3 +374,17 @@ class KubeClient:
                     code = status.get("code", 500)
                     raise _ERRORS.get(code, ApiError)(code, status.get("reason", ""), status.get("message", ""), status)
                 yield event["type"], event["object"]
+
+
+class WatchLineTooLong(ApiError):
+    """A watch sent an event line over WATCH_LINE_LIMIT: not an API server's (see there)."""
+
+
+async def _watch_line(content: aiohttp.StreamReader) -> bytes:
+    """The next line of a watch (b"" at its end), up to WATCH_LINE_LIMIT bytes, not aiohttp's 512 KiB."""
+    try:
+        return await content.readuntil(b"\n", max_size=WATCH_LINE_LIMIT)
+    except aiohttp.http_exceptions.LineTooLong:
+        raise WatchLineTooLong(
+            0, "LineTooLong", f"a watch event line longer than {WATCH_LINE_LIMIT} bytes (WATCH_LINE_LIMIT)"
+        ) from None
