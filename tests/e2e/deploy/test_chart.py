@@ -75,7 +75,8 @@ def test_template_renders_every_optional_feature() -> None:
     docs = render(values=all_features())
     assert {d["kind"] for d in docs} == DEFAULT_KINDS | OPTIONAL_KINDS
     monitor = one(docs, "ServiceMonitor")
-    # The operator's leaked-bytes series carry the namespace/pod holding the bytes (dev/gpuobj_dev/observability/scrape.py).
+    # The operator's leaked-bytes series carry the namespace/pod holding the bytes
+    # (dev/gpuobj_dev/observability/scrape.py).
     assert [e.get("honorLabels") for e in monitor["spec"]["endpoints"]] == [True]
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     service = one(docs, "Service")

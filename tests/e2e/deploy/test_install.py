@@ -7,8 +7,8 @@ back as crds/ defines them (other tests use them; see `crds_restored`).
 
 from __future__ import annotations
 
+import asyncio
 import json
-import secrets
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
@@ -19,9 +19,12 @@ import yaml
 
 from gpuobj_contract import names
 from gpuobj_dev.testing.cluster import ClusterHandle
+from gpuobj_dev.testing.identities import Credentials, credentials
 from gpuobj_dev.testing.operator import OperatorProcess
+from gpuobj_dev.testing.pods import create_agent_pod
 from gpuobj_dev.testing.records import user_records
 from gpuobj_dev.testing.waits import wait_until
+from gpuobj_dev.testing.workload import WorkloadProcess, free_port
 from tests.e2e.deploy.support import (
     ALL_FEATURES,
     CHART,
@@ -530,26 +533,33 @@ def _service_account_kubeconfig(cluster: ClusterHandle, namespace: str, name: st
     return path
 
 
+def _chart_operator(cluster: ClusterHandle, r: dict[str, str], folder: Path, identity: str) -> OperatorProcess:
+    """The real operator (not started), authenticated as the release's ServiceAccount, with the flags the
+    chart's Deployment passes and TLS to agents on (the chart's default)."""
+    sa_namespace, sa_name = r["operator"].split(":")[2:]
+    folder.mkdir(parents=True, exist_ok=True)
+    kubeconfig = _service_account_kubeconfig(cluster, sa_namespace, sa_name, folder / "kubeconfig")
+    # Its agent token is a real one of its ServiceAccount (TLS to agents names the operator by it in its
+    # client certificate): this also runs its CA and signer on the chart's RBAC.
+    agent_token = folder / "agent-token"
+    audience = f"--audience={names.AGENT_AUDIENCE}"
+    token = cluster.kubectl("create", "token", sa_name, "-n", sa_namespace, "--duration=10m", audience).stdout
+    agent_token.write_text(token.strip())
+    return OperatorProcess(
+        kubeconfig, agent_token, identity=identity, lease_namespace=r["ns"],
+        extra_args=["--namespace", r["workload_ns"], "--lease-name", r["lease"], "--resync-interval", "2",
+                    "--agent-ca-secret", r["ca_secret"], "--agent-tls", "on"],
+    )  # fmt: skip
+
+
 def test_the_operator_runs_on_the_charts_rbac_alone(
     gpuobj_cluster: ClusterHandle, rbac_release: dict[str, str], tmp_path: Path
 ) -> None:
     """The real operator, authenticated as its ServiceAccount: it leads (its Lease), syncs, watches, adds its
     finalizer, writes status and drops the finalizer on delete, and is never refused by the API server."""
     k, r = gpuobj_cluster.kubectl, rbac_release
-    sa_namespace, sa_name = r["operator"].split(":")[2:]
-    kubeconfig = _service_account_kubeconfig(gpuobj_cluster, sa_namespace, sa_name, tmp_path / "kubeconfig")
-    # Its agent token is a real one of its ServiceAccount (the chart's default, TLS to agents, names the
-    # operator by it in its client certificate): this also runs its CA and signer on the chart's RBAC.
-    agent_token = tmp_path / "agent-token"
-    audience = f"--audience={names.AGENT_AUDIENCE}"
-    agent_token.write_text(k("create", "token", sa_name, "-n", sa_namespace, "--duration=10m", audience).stdout.strip())
     example = str(DEPLOY / "examples" / "gpuobject.yaml")
-    op = OperatorProcess(
-        kubeconfig, agent_token, identity="rbac-check", lease_namespace=r["ns"],
-        extra_args=["--namespace", r["workload_ns"], "--lease-name", r["lease"], "--resync-interval", "2",
-                    "--agent-ca-secret", r["ca_secret"]],  # as the chart's Deployment passes them
-    )  # fmt: skip
-    op.start()
+    op = _chart_operator(gpuobj_cluster, r, tmp_path, identity="rbac-check").start()
     try:
         op.wait_ready(timeout=60)
         holder = k("get", "lease", "-n", r["ns"], r["lease"], "-o", "jsonpath={.spec.holderIdentity}").stdout
@@ -567,6 +577,64 @@ def test_the_operator_runs_on_the_charts_rbac_alone(
         if k("get", "-n", r["workload_ns"], "-f", example, "--ignore-not-found", "-o", "name").stdout.strip():
             k("patch", "-n", r["workload_ns"], "-f", example, "--type=merge", "-p", '{"metadata":{"finalizers":null}}')
             k("delete", "-n", r["workload_ns"], "-f", example, "--ignore-not-found", "--wait=false")
+    output = op.output()
+    assert rc == 0, output
+    assert "forbidden" not in output.lower() and " 403" not in output, output
+
+
+@pytest.mark.nixl
+def test_a_workload_in_a_namespace_the_chart_binds_connects_with_tls_on_the_charts_rbac_alone(
+    gpuobj_cluster: ClusterHandle, rbac_release: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue 32: a new user's workload, with the chart's default agent TLS, in a namespace listed in
+    workloads.bindings. Its process runs as the bound ServiceAccount with pod-bound tokens and nothing else
+    (no binding made by hand): its agent gets its certificate from the operator's signer (a cluster-scoped
+    CSR, which only the release's ClusterRoleBinding allows), serves HTTPS, and the operator, as its own
+    ServiceAccount, reaches it over TLS (the put goes Ready, its release is freed). A ServiceAccount of the
+    same namespace that the values do not list is refused, and the error names the binding it lacks."""
+    k, r = gpuobj_cluster.kubectl, rbac_release
+    wl_ns, operator_subject = r["workload_ns"], "/".join(r["operator"].split(":")[2:])
+    op = _chart_operator(gpuobj_cluster, r, tmp_path / "operator", identity="workload-check").start()
+    started: list[tuple[WorkloadProcess, Credentials]] = []
+    try:
+        op.wait_ready(timeout=60)
+
+        def workload(pod_name: str, service_account: str) -> WorkloadProcess:
+            port = free_port()
+
+            async def create() -> dict:
+                async with gpuobj_cluster.client() as kube:
+                    return await create_agent_pod(kube, wl_ns, pod_name, port=port, service_account=service_account)
+
+            uid = asyncio.run(create())["metadata"]["uid"]
+            creds = credentials(gpuobj_cluster, wl_ns, service_account, tmp_path / pod_name, pod=(pod_name, uid))
+            w = WorkloadProcess(
+                pod_name=pod_name, namespace=wl_ns, pod_uid=uid, port=port, token_file=creds.agent_token,
+                kubeconfig=creds.kubeconfig,
+                env={"GPUOBJ_AGENT_TLS": "csr", "GPUOBJ_OPERATOR_SERVICEACCOUNT": operator_subject},
+            )  # fmt: skip
+            started.append((w, creds))
+            return w.start()
+
+        trainer = workload("trainer-0", "trainer")
+        assert trainer.eval("client.agent.serves_tls") is True
+        trainer.run("ref = client.put([torch.ones(256)], name='w'); client.flush()")
+        k("wait", "-n", wl_ns, "--for=jsonpath={.status.state}=Ready", "gpuobject/w", "--timeout=60s")
+        trainer.run("ref.release(); client.flush()")
+        k("wait", "-n", wl_ns, "--for=delete", "gpuobject/w", "--timeout=60s")
+
+        k("create", "serviceaccount", "outsider", "-n", wl_ns)
+        with pytest.raises(AssertionError) as refused:
+            workload("outsider-0", "outsider")
+        assert f"ClusterRoleBinding to gpuobj-workload-token-reviewer for ServiceAccount {wl_ns}/outsider" in str(
+            refused.value
+        ), refused.value
+    finally:
+        for w, creds in started:
+            if w.proc is not None and w.proc.poll() is None:
+                w.kill()
+            creds.stop()
+        rc = op.stop()
     output = op.output()
     assert rc == 0, output
     assert "forbidden" not in output.lower() and " 403" not in output, output
