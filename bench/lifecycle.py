@@ -261,7 +261,7 @@ _freed_cv = threading.Condition()
 
 async def _observed_free(object_id, **kw):
     out = await _orig_free(object_id, **kw)
-    if out.get("freed"):
+    if out.freed:  # the store answers gpuobj_contract.agent_api.FreeAnswer
         with _freed_cv:
             freed[object_id] = time.monotonic()
             _freed_cv.notify_all()
