@@ -184,16 +184,32 @@ def decide_claim(ledger: Ledger, key: Key, now: dt.datetime) -> list[Action]:
         if not pod.deleted:
             actions.append(SetClaimOwner(claim.key, claim.uid, pod.name, pod.uid))
     obj = ledger.objects.get(claim.object_key)
-    if obj is None or (claim.object_uid and obj.uid != claim.object_uid):
-        desired = desired_claim_status(claim, None, None, now)
+    replaced = obj is not None and bool(claim.object_uid) and obj.uid != claim.object_uid
+    if obj is None or replaced:
+        desired = desired_claim_status(claim, None, None, now, replaced=replaced)
     else:
         verdict = ledger.source_verdict(obj)
         if verdict.unknown:
             return [*actions, LookupPod(obj.namespace, obj.source_pod)]
         desired = desired_claim_status(claim, obj, verdict, now)
-    if _status_differs(claim.status.to_json(), desired):
+    if _claim_status_due(claim, desired):
         actions.append(PatchClaimStatus(claim.key, desired))
     return actions
+
+
+def _claim_status_due(claim: ClaimInfo, desired: dict[str, Any]) -> bool:
+    """Whether the claim's status must be written to say ``desired``.
+
+    Why not whenever it differs: every claim reads Bound from the CRD's default the moment it is created,
+    and a claim the client library makes pins its object's incarnation (spec.objectUID), so a written Bound
+    would repeat what the claim and its object already say (bytes, source pod and claim count are in the
+    GPUObject's status) at one API write per hand-off. Such a claim's status is written only when it stops
+    being Bound (Pending, Lost) or after it was not. A claim a person applied without a pin still gets its
+    Bound written, with the object's uid, bytes and source pod (few such claims, and the uid is what makes
+    it Lost rather than Pending once its object goes)."""
+    if desired.get("state") == "Bound" and claim.object_uid and claim.status.state in (None, "Bound"):
+        return False
+    return _status_differs(claim.status.to_json(), desired)
 
 
 def _left_to_the_collector(claim: ClaimInfo, tombstone: PodInfo, now: dt.datetime) -> list[Action]:

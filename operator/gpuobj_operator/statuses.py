@@ -202,16 +202,25 @@ def _desired_object_status(
 
 
 def desired_claim_status(
-    claim: ClaimInfo, obj: ObjectInfo | None, verdict: SourceVerdict | None, now: dt.datetime
+    claim: ClaimInfo,
+    obj: ObjectInfo | None,
+    verdict: SourceVerdict | None,
+    now: dt.datetime,
+    *,
+    replaced: bool = False,
 ) -> dict[str, Any]:
     """A claim's status: Bound to its object, Lost with it, or Pending until it exists.
 
     ``obj`` None: no GPUObject of the claimed name and uid exists (any more); ``verdict`` is then unused.
+    ``replaced``: an object of that name exists, another incarnation than the one the claim pins: Lost.
+    A claim is Lost once it was bound: its status named an object (a written Bound), or the object of its
+    pin was replaced. A pinned claim whose object the operator has not seen reads Pending: the claim's
+    watch event may come before its object's.
     """
     stamp = now_str(now)
     existing = claim.status.conditions
     if obj is None or verdict is None:
-        lost = claim.status.state in ("Bound", "Lost")
+        lost = claim.status.state == "Lost" or bool(claim.status.object_uid) or replaced
         state, reason, message = (
             ("Lost", "ObjectGone", f"GPUObject {claim.object_name} no longer exists")
             if lost

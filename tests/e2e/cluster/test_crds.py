@@ -140,7 +140,9 @@ def test_a_new_object_shows_pending_at_once_and_kubectl_get_by_name_works(gpuobj
         # No operator runs here: the State column comes from the schema's default, not from a status write.
         row = k("get", "gobj", "crd-pending", "-n", "default", "--no-headers").stdout.split()
         assert row[:3] == ["crd-pending", "Pending", "trainer-0"]
-        assert k("get", "gclaim", "crd-pending", "-n", "default", "--no-headers").stdout.split()[1] == "Pending"
+        # A claim reads Bound from its default (the operator writes a claim's status only when it is not
+        # Bound: Pending here within status_delay once an operator runs, as no GPUObject x exists).
+        assert k("get", "gclaim", "crd-pending", "-n", "default", "--no-headers").stdout.split()[1] == "Bound"
         # The category lists both kinds; a kind's name still addresses one object.
         listed = k("get", "gpuobj", "-n", "default", "-o", "name").stdout.split()
         assert {"gpuobject.gpuobj.io/crd-pending", "gpuobjectclaim.gpuobj.io/crd-pending"} <= set(listed)

@@ -16,8 +16,9 @@ from gpuobj_dev.testing import agent_http
 from gpuobj_dev.testing.api_requests import delta, request_counts, writes
 from gpuobj_dev.testing.cluster import ClusterHandle
 from gpuobj_dev.testing.operator import OperatorProcess
+from gpuobj_dev.testing.records import user_claims
 from gpuobj_dev.testing.waits import wait_until
-from gpuobj_kube.client import GPUOBJECTS
+from gpuobj_kube.client import CLAIMS, GPUOBJECTS
 from tests.e2e.operator.conftest import Pods, kube
 from tests.e2e.operator.tcp_proxy import TcpProxy, server_address
 from tests.e2e.operator.test_lifecycle import assert_api_empty, wait_object
@@ -223,6 +224,12 @@ def test_a_private_object_makes_no_api_write_and_the_audit_leaves_it_until_it_is
     wait_object(gpuobj_cluster, namespace, src.eval("ref.address.name"), lambda o: o is not None)
     reader.run(f"h = client.adopt(load_pickle({shared!r})); got = client.fetch(h)[0]")
     assert reader.eval(f"bool(torch.equal(got, {ARANGE.format(n=1024)}))")
+    # The reader's claim (pinned to the object's uid) reads Bound from the CRD's default, with no status
+    # write: once the object's status counts the claim, the claim's status is still the default alone.
+    name = src.eval("ref.address.name")
+    wait_object(gpuobj_cluster, namespace, name, lambda o: ((o or {}).get("status") or {}).get("claims") == 1)
+    (held,) = user_claims(kube(gpuobj_cluster, lambda k: k.list(CLAIMS, namespace))["items"])
+    assert held["spec"].get("objectUID") and held["status"] == {"state": "Bound"}, held
     src.run("ref.release(); client.flush()")
     reader.run("h.release(); client.flush()")
     wait_until(lambda: not inventory(), "the shared object to be freed", 60)

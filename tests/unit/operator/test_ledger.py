@@ -261,16 +261,38 @@ def test_claim_on_a_missing_object_is_pending_and_lost_once_its_object_goes() ->
     ledger = synced_ledger(pod(), claim(object_name="nope"))
     (action,) = decide_claim(ledger, (NS, "c1"), NOW)
     assert action.status["state"] == "Pending"
+    # Bound by the CRD's default alone says nothing of an object: still Pending, not Lost.
     ledger.claims[(NS, "c1")].status = GPUObjectClaimStatus(state="Bound")
+    (action,) = decide_claim(ledger, (NS, "c1"), NOW)
+    assert action.status["state"] == "Pending"
+    # A written Bound named the object: once it is gone the claim is Lost.
+    ledger.claims[(NS, "c1")].status = GPUObjectClaimStatus(state="Bound", object_uid="obj-uid")
     (action,) = decide_claim(ledger, (NS, "c1"), NOW)
     assert action.status["state"] == "Lost"
 
 
 def test_bound_claim_reports_bytes_and_source() -> None:
+    """A claim a person applied without a pin: its Bound is written, naming what it holds."""
     ledger = synced_ledger(pod(), obj(), claim())
     (action,) = decide_claim(ledger, (NS, "c1"), NOW)
     assert action.status["state"] == "Bound"
     assert action.status["bytes"] == 64 and action.status["sourcePod"] == "src"
+
+
+def test_a_pinned_claim_that_stays_bound_costs_no_status_write() -> None:
+    """The client library's claims pin the object's uid: Bound is the CRD's default, so nothing is written;
+    its status is written once it is not Bound (the pinned object replaced: Lost)."""
+    held = obj()
+    for status in (GPUObjectClaimStatus(), GPUObjectClaimStatus(state="Bound")):  # unit shape, API default
+        ledger = synced_ledger(pod(), held, claim(object_uid=held.uid, status=status))
+        assert decide_claim(ledger, (NS, "c1"), NOW) == []
+    ledger = synced_ledger(pod(), held, claim(object_uid="an-older-incarnation", status=GPUObjectClaimStatus("Bound")))
+    (action,) = decide_claim(ledger, (NS, "c1"), NOW)
+    assert isinstance(action, PatchClaimStatus) and action.status["state"] == "Lost"
+    # Pending before, Bound now: written, so kubectl shows it bound again.
+    ledger = synced_ledger(pod(), held, claim(object_uid=held.uid, status=GPUObjectClaimStatus(state="Pending")))
+    (action,) = decide_claim(ledger, (NS, "c1"), NOW)
+    assert action.status["state"] == "Bound"
 
 
 def test_a_late_event_never_overwrites_a_newer_version() -> None:
