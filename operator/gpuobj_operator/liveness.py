@@ -29,8 +29,10 @@ scoped to the receiver process that was alive when it was made, found two ways, 
   that run's startedAt). Once the kubelet reports a later run (a new containerID or a higher
   restartCount), or that run ended, the claim's process is gone, whether or not it ever answered a
   probe: a receiver that restarts in its first seconds does not pass its shares to the next process.
-  The one guess: a claim made in the first seconds of a new run whose report the operator had not
-  seen yet is taken as the earlier run's (the pod's times cannot tell them apart);
+  Except a claim made within CLOCK_MARGIN of that run's end (its finishedAt, else the next run's
+  startedAt): the next run's process may have asked for it in its first seconds, before the operator
+  saw the kubelet's report, and the times cannot tell which run it was. The run does not decide it:
+  the incarnation below does, so a share the new process just received is never ended under it;
 - its incarnation (``scoped_incarnation``): the first incarnation that a probe started after the
   operator learned of the claim found answering. That process was alive after the claim existed, so
   a live receiver that simply has not adopted its reference yet keeps it; without container
@@ -148,7 +150,9 @@ class Liveness:
 
         Its run: the last one reported current by ``learned_at`` (when the operator first saw the record),
         else the first one reported; or a later one that started CLOCK_MARGIN before ``created``. It is
-        over once the kubelet reports a run after it, or reports it ended. Decided from the pod watch's
+        over once the kubelet reports a run after it, or reports it ended, unless ``created`` lies within
+        CLOCK_MARGIN of that run's end (its finishedAt, else the next run's startedAt): then the record may
+        be the next run's and None is returned (scoped_incarnation decides). Decided from the pod watch's
         history, so it does not change when it is asked again later.
         """
         runs = self.containers.get(pod)
@@ -160,19 +164,27 @@ class Liveness:
             if run.first_seen <= learned_at or (created and run.started and run.started + margin <= created):
                 bound = i
         run = runs.seen[bound]
-        if bound + 1 < len(runs.seen):
-            after = runs.seen[bound + 1]
+        after = runs.seen[bound + 1] if bound + 1 < len(runs.seen) else None
+        ended = runs.ended.get(run.container_id) if run.container_id else None
+        if after is None and ended is None:
+            return None
+        # When the run ended, by the node's clock: its finishedAt, else no later than the next run's start.
+        end = ended.finished if ended is not None and ended.finished else after.started if after else None
+        if created is not None and end is not None and created > end - margin:
+            # Made within CLOCK_MARGIN of the run's end, perhaps after it, by the next run's process (it
+            # asked for the share in its first seconds, before the operator saw the kubelet's report):
+            # the times cannot tell, so the run does not decide; the first probe after the share does.
+            return None
+        if after is not None:
             return (
                 f"the agent process of pod {pod[1]} ran in container {_short(run)}, which the kubelet "
                 f"reports restarted as {_short(after)} (restart {after.restart_count})"
             )
-        ended = runs.ended.get(run.container_id) if run.container_id else None
-        if ended is not None:
-            return (
-                f"the agent process of pod {pod[1]} ran in container {_short(run)}, which the kubelet "
-                f"reports ended{f' at {ended.finished:%H:%M:%S}' if ended.finished else ''}"
-            )
-        return None
+        assert ended is not None
+        return (
+            f"the agent process of pod {pod[1]} ran in container {_short(run)}, which the kubelet "
+            f"reports ended{f' at {ended.finished:%H:%M:%S}' if ended.finished else ''}"
+        )
 
     def _state(self, pod: Key, pod_uid: str) -> AgentState:
         state = self.agents.get(pod)

@@ -174,3 +174,80 @@ async def _create_silent_pod(cluster: ClusterHandle, namespace: str, name: str) 
     """An agent pod at an address where nothing listens yet (its process is still starting)."""
     async with cluster.client() as k:
         await create_agent_pod(k, namespace, name, port=1)
+
+
+def test_a_share_made_in_the_new_runs_first_seconds_stays_with_the_new_process(
+    gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
+) -> None:
+    """Issue 32: the receiver restarted and its new process asked for a share at once; the kubelet's report
+    of the restart came after the share, with the new run started in the share's second. Before, the share
+    went with the earlier run and the report ended it under the process that had just received it (its
+    HolderGone named the earlier container). Now the times leave it to the probe the share asked for, which
+    found the new process: that process reads the bytes, and the share ends only when it is replaced."""
+    src, reader = pods.workload("src"), pods.workload("reader")
+    first = f"containerd://{uuid.uuid4().hex}"
+    born = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=30)
+    _report(
+        gpuobj_cluster,
+        namespace,
+        "reader",
+        {"restartCount": 0, "containerID": first, "state": {"running": {"startedAt": _stamp(born)}}},
+    )
+    src.run("ref = client.put([torch.ones(1 << 12)], name='kv'); client.flush()")
+    reader = pods.restart_process("reader")  # the kubelet has not reported it yet
+    second = reader.eval("client.agent.incarnation")
+    shared = src.eval_pickle("client.share(ref, 'reader')")
+    src.run("client.flush(); ref.release(); client.flush()")
+    [claim] = user_claims(kube(gpuobj_cluster, lambda k: k.list(CLAIMS, namespace))["items"])
+    made = dt.datetime.fromisoformat(claim["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
+    operator.wait_for_line(f"agent of pod {namespace}/reader: process {second}", timeout=30)  # the share's probe
+
+    second_run = f"containerd://{uuid.uuid4().hex}"
+    _report(
+        gpuobj_cluster,
+        namespace,
+        "reader",
+        {
+            "restartCount": 1,
+            "containerID": second_run,
+            "state": {"running": {"startedAt": _stamp(made)}},
+            "lastState": {
+                "terminated": {
+                    "containerID": first,
+                    "exitCode": 1,
+                    "startedAt": _stamp(born),
+                    "finishedAt": _stamp(made),
+                }
+            },
+        },
+    )
+    reader.run(f"h = client.adopt(load_pickle({shared!r})); got = client.fetch(h)[0]")
+    assert reader.eval("float(got.sum())") == float(1 << 12)
+
+    third = pods.restart_process("reader")  # that process goes: the share goes with it
+    replaced = dt.datetime.now(dt.UTC)
+    _report(
+        gpuobj_cluster,
+        namespace,
+        "reader",
+        {
+            "restartCount": 2,
+            "containerID": f"containerd://{uuid.uuid4().hex}",
+            "state": {"running": {"startedAt": _stamp(replaced)}},
+            "lastState": {
+                "terminated": {
+                    "containerID": second_run,
+                    "exitCode": 1,
+                    "startedAt": _stamp(made),
+                    "finishedAt": _stamp(replaced),
+                }
+            },
+        },
+    )
+    wait_object(gpuobj_cluster, namespace, "kv", lambda o: o is None, timeout=30)
+    [event] = _events(gpuobj_cluster, namespace, "HolderGone")
+    assert event["involvedObject"]["name"] == claim["metadata"]["name"]
+    assert second in event["message"] and first[-12:] not in event["message"], event["message"]
+    assert third.eval("client.agent.incarnation") in event["message"], event["message"]
+    agent_http.assert_holds_nothing(pods.endpoint("src"), token_file)
+    assert_api_empty(gpuobj_cluster, namespace)

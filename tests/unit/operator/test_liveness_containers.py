@@ -197,18 +197,78 @@ def test_a_share_belongs_to_the_run_current_when_it_was_learned_and_stays_while_
 
 def test_a_share_made_well_after_a_restart_the_operator_had_not_seen_yet_stays_with_the_new_run() -> None:
     """The pod watch lags: the share was learned while c1 was the last run reported, but it was created
-    CLOCK_MARGIN after c2 started, so it belongs to c2 (no wrong drop); one made in c2's first two
-    seconds cannot be told from c1's and goes with c1."""
+    CLOCK_MARGIN after c2 started, so it belongs to c2 (no wrong drop). One made in c2's first two seconds
+    cannot be told from c1's by the times: the run does not decide it (the probes do, below); one made
+    CLOCK_MARGIN before c2 started was c1's."""
     live = Liveness()
     live.observe_container(READER, "u", _run(0, "c1", started=0), now=0.0)
     live.observe_container(READER, "u", _run(1, "c2", started=10), now=20.0)
     assert live.run_replaced(READER, "u", 15.0, at(12)) is None
-    assert live.run_replaced(READER, "u", 15.0, at(11)) is not None
+    assert live.run_replaced(READER, "u", 15.0, at(11)) is None
+    assert live.run_replaced(READER, "u", 15.0, at(9)) is None
+    assert "c1" in (live.run_replaced(READER, "u", 15.0, at(8)) or "")
+
+
+def _restarted(c1_ended: float, c2_started: float) -> AgentContainer:
+    """The kubelet's report of the restart, with the times of both runs."""
+    return AgentContainer("workload", 1, ContainerRun("c2", at(c2_started)), ContainerRun("c1", at(0), at(c1_ended)))
+
+
+def test_a_share_made_in_the_new_runs_first_seconds_before_its_report_stays_with_the_new_process() -> None:
+    """Issue 32: c1 ended at 10 s and c2 started; c2's process asked for a share at once (created 10 s),
+    which the operator learned before the kubelet's report of c2. Before, the share went with c1, so the
+    report ended it under the live process that had just received it (it failed so). Now the times say
+    it may be c2's, and the first probe after the share found c2's process: it stays while that lives."""
+    reader = pod("reader", uid="pod-uid-r", endpoint="10.0.0.6:8471")
+    shared = claim("to-reader", "w", holder_pod="reader", shared_by="src", created=at(10))
+    ledger = synced_ledger(pod(), reader, obj("w", deleting=True), shared)  # the share is learned at 0.0
+    live = ledger.liveness
+    live.observe_container(READER, "pod-uid-r", _run(0, "c1", started=0), now=-5.0)
+    live.observe_alive(READER, "pod-uid-r", "r-2", probe_started=0.5)  # the probe the share asked for
+    assert live.observe_container(READER, "pod-uid-r", _restarted(10, 10), now=1.0) is True
+    assert ledger.holder_process_gone(shared) is None
+    assert Free not in kinds(decide_object(ledger, (NS, "w"), NOW))
+    assert not any(isinstance(a, DeleteClaim) for a in decide_claim(ledger, shared.key, NOW))
+    live.observe_refused(READER, "pod-uid-r", probe_started=30.0)  # that process goes later: so does the share
+    live.observe_refused(READER, "pod-uid-r", probe_started=30.1)
+    assert "r-2" in (ledger.holder_process_gone(shared) or "")
+
+
+def test_a_share_made_just_before_the_restart_goes_with_the_process_the_first_probe_found() -> None:
+    """The same times, but the first probe after the share reached c1's process (r-1): it was that one's,
+    and the restart's next process (r-2) answering ends it."""
+    reader = pod("reader", uid="pod-uid-r", endpoint="10.0.0.6:8471")
+    shared = claim("to-reader", "w", holder_pod="reader", shared_by="src", created=at(9))
+    ledger = synced_ledger(pod(), reader, obj("w", deleting=True), shared)
+    live = ledger.liveness
+    live.observe_container(READER, "pod-uid-r", _run(0, "c1", started=0), now=-5.0)
+    live.observe_alive(READER, "pod-uid-r", "r-1", probe_started=0.5)
+    live.observe_container(READER, "pod-uid-r", _restarted(10, 10), now=1.0)
+    assert ledger.holder_process_gone(shared) is None  # not known yet: the next process has not answered
+    live.observe_alive(READER, "pod-uid-r", "r-2", probe_started=1.5)
+    assert "r-1" in (ledger.holder_process_gone(shared) or "")
+    assert kinds(decide_object(ledger, (NS, "w"), NOW)) == [Free]
+
+
+def test_a_share_made_clock_margin_before_the_run_ended_goes_with_it_though_no_probe_reached_it() -> None:
+    """The restart signal alone ends a share its times put certainly in the ended run, even when that run's
+    process never answered a probe and the next one answered first."""
+    reader = pod("reader", uid="pod-uid-r", endpoint="10.0.0.6:8471")
+    shared = claim("to-reader", "w", holder_pod="reader", shared_by="src", created=at(1))
+    ledger = synced_ledger(pod(), reader, obj("w", deleting=True), shared)
+    live = ledger.liveness
+    live.observe_container(READER, "pod-uid-r", _run(0, "c1", started=0), now=-5.0)
+    live.observe_container(READER, "pod-uid-r", _restarted(3, 3), now=1.0)  # c1 lived 3 s: 1 s is no edge of it
+    live.observe_alive(READER, "pod-uid-r", "r-2", probe_started=1.5)
+    assert "c1" in (ledger.holder_process_gone(shared) or "")
 
 
 def test_a_share_whose_run_the_kubelet_reports_ended_goes_before_the_restart() -> None:
+    """Made CLOCK_MARGIN before the run ended: it goes with the run; closer to the end, it may have been
+    made after it (for the next run), which the probes decide."""
     live = Liveness()
     live.observe_container(READER, "u", _run(0, "c1", started=0), now=0.0)
-    ended = AgentContainer("workload", 0, ContainerRun("c1", at(0), at(2)))  # state.terminated (back-off)
-    assert live.observe_container(READER, "u", ended, now=3.0) is True
+    ended = AgentContainer("workload", 0, ContainerRun("c1", at(0), at(4)))  # state.terminated (back-off)
+    assert live.observe_container(READER, "u", ended, now=5.0) is True
     assert "ended" in (live.run_replaced(READER, "u", 1.0, at(1)) or "")
+    assert live.run_replaced(READER, "u", 1.0, at(3)) is None
