@@ -114,7 +114,10 @@ def translate(exc: BaseException, *, what: str) -> BaseException:
             return PermissionDeniedError(
                 f"{what}: the API server refused this pod's identity ({exc.status} {exc.reason}: {exc.message});"
                 f" add a ClusterRoleBinding to gpuobj-workload-token-reviewer for ServiceAccount {account}"
-                " (charts/gpuobj workloads.bindings, or deploy/operator/rbac-workload.yaml)"
+                " (the chart names it <release fullname>-workload-token-reviewer, this for a release called gpuobj;"
+                " `kubectl get clusterrole -l app.kubernetes.io/component=workload` lists yours):"
+                " add the namespace and ServiceAccount to the chart's workloads.bindings, or apply"
+                " deploy/operator/rbac-workload.yaml"
             )
         return PermissionDeniedError(
             f"{what}: the API server refused this pod's identity ({exc.status} {exc.reason}: {exc.message}); "

@@ -57,6 +57,9 @@ def test_cluster_scope_refusal_names_the_missing_token_reviewer_binding() -> Non
     got = errors.translate(ApiError(403, "Forbidden", message), what="connect")
     assert isinstance(got, errors.PermissionDeniedError)
     assert "ClusterRoleBinding to gpuobj-workload-token-reviewer for ServiceAccount team-a/trainer" in str(got)
+    # A release under another name has its own role name: the message says how to find it.
+    assert "kubectl get clusterrole -l app.kubernetes.io/component=workload" in str(got)
+    assert "workloads.bindings" in str(got)
 
 
 def test_non_errors_pass_through_unchanged() -> None:
