@@ -150,7 +150,13 @@ class _GrantEntry:
 
 
 class Fetcher:
-    """One reader NIXL agent, an HTTP session, and the cache of sources' NIXL agents."""
+    """One reader NIXL agent, an HTTP session, and the cache of sources' NIXL agents.
+
+    Three kinds of thread share its caches (sources' agents, parsed grants and their prepared reads, agents
+    connected ahead): the agent's loop, the transfer threads (READs, forgets, connecting ahead), and
+    workload threads reading with a grant (`fetch_granted_direct`, with no loop hop by design). So every
+    access to them, reads included, takes `_direct_lock`; none relies on the GIL. NIXL calls are made
+    outside it."""
 
     def __init__(
         self,
@@ -343,16 +349,16 @@ class Fetcher:
         """
         started = time.monotonic()
         deadline = started + (timeout if timeout is not None else self.default_timeout)
-        entry = self._grant_cache.get(id(grant))  # the common case inline: a dict read is atomic
-        if entry is None or entry.grant is not grant:
-            entry = self._entry(endpoint, grant)
-        if device == "cpu" and entry.preparable and entry.read_before:
+        entry = self._entry(endpoint, grant)
+        with self._direct_lock:  # a grant read once (a one-shot hand-off) never binds a buffer
+            prepared = entry.preparable and entry.read_before
+            entry.read_before = True
+        if device == "cpu" and prepared:
             tensors = self._read_prepared(entry, deadline)
             if tensors is not None:
                 self._in_bytes.inc(entry.nbytes)
                 self._in_seconds.observe(time.monotonic() - started)
                 return tensors
-        entry.read_before = True  # a grant read once (a one-shot hand-off) never binds a buffer
         try:
             target = normalize_device(device)
         except BadRequest as exc:
@@ -411,8 +417,10 @@ class Fetcher:
             self._drop_slot(entry, slot, poster=True)
             raise
         tensors = slot.bound.hand_out()  # before the slot is free again: from now on they keep it busy
-        slot.posting = False  # one store under the GIL; `_drop_slot` decides under the lock
-        if slot.doomed:
+        with self._direct_lock:  # `_drop_slot` decides under the same lock whether the poster drops it
+            slot.posting = False
+            doomed = slot.doomed
+        if doomed:
             self._drop_slot(entry, slot)  # its tensors are fine: the buffer waits for them
         return tensors
 
@@ -428,9 +436,9 @@ class Fetcher:
             self.pool.unbind(bound)
             raise
         if xfer is None:  # mixed memory types: never preparable
-            entry.preparable = False
             self.pool.unbind(bound)
             with self._direct_lock:
+                entry.preparable = False
                 self._bound_bytes -= entry.nbytes
             return None
         slot = _Slot(bound, xfer)
@@ -488,7 +496,8 @@ class Fetcher:
     def _entry(self, endpoint: str, grant: dict[str, Any]) -> _GrantEntry:
         """A grant parsed once per grant object (a handle reads with the same one again and again)."""
         key = id(grant)
-        hit = self._grant_cache.get(key)  # a dict read is atomic under the GIL; writes take the lock
+        with self._direct_lock:
+            hit = self._grant_cache.get(key)
         if hit is not None and hit.grant is grant:
             return hit
         parsed = self._parse(endpoint, grant, "read grant")
@@ -648,7 +657,7 @@ class Fetcher:
         with self._direct_lock:
             if self._closed or name in self._preconnected or name in self._direct_loaded:
                 return
-            if any(name in loaded for _, loaded in list(self._sources.values())):  # a copy: the loop changes it
+            if any(name in loaded for _, loaded in self._sources.values()):
                 return
             self._preconnected.add(name)
             self._announced[name] = None
@@ -681,12 +690,11 @@ class Fetcher:
 
     def _used(self, agent: str) -> None:
         """A read goes to `agent`: if it was connected to ahead, count it; an ordinary loaded agent from now on."""
-        if agent in self._preconnected:  # a set read is atomic under the GIL; the change takes the lock
-            with self._direct_lock:
-                if agent in self._preconnected:
-                    self.preconnected_reads += 1
-                    self._preconnected.discard(agent)
-                    self._announced.pop(agent, None)
+        with self._direct_lock:
+            if agent in self._preconnected:
+                self.preconnected_reads += 1
+                self._preconnected.discard(agent)
+                self._announced.pop(agent, None)
 
     def _note_source(self, endpoint: str, incarnation: str, live: set[str], agent: str | None) -> list[str]:
         """Update the cache; return agents to forget (retired, or of an earlier incarnation).
