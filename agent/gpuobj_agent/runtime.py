@@ -3,9 +3,12 @@
 Why a private thread with its own event loop: the workload may be a plain script, a
 threaded server or an asyncio program; none of them should have to lend the agent its
 loop, and nothing the agent does (serving the operator, fencing, transfers) may stall
-the workload. Sync methods hand work to the agent's loop and wait for it; the `a`-prefixed
-methods await it from the caller's loop without blocking that loop. The tensors a
-workload puts are held as they are (zero-copy): do not modify them until freed.
+the workload. That loop is the process's one loop: the embedding client's core
+(gpuobj.client) runs on it too (`event_loop`), so the client's calls into the agent are
+plain awaits and the store is only ever touched there. Sync methods hand work to the
+loop and wait for it; the `a`-prefixed methods await it from the caller's loop without
+blocking that loop (directly, when the caller is on it). The tensors a workload puts are
+held as they are (zero-copy): do not modify them until freed.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from gpuobj_agent.objects import StoredObject
 from gpuobj_agent.objects import iso_time as _iso
 
 T = TypeVar("T")
+
+STOP_GRACE = 5.0  # seconds the tasks still on the loop at stop get to end once cancelled
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,12 @@ class AgentRuntime:
         try:
             loop.run_until_complete(self._serve(started))
         finally:
+            # Tasks a guest left on this loop (a client core never closed): cancelled, given a bound to end.
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            if left:
+                loop.run_until_complete(asyncio.wait(left, timeout=STOP_GRACE))
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 
@@ -161,6 +172,21 @@ class AgentRuntime:
     @property
     def url(self) -> str:
         return f"http://{self.endpoint}"
+
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop this agent serves on, lent to the embedding client's core (gpuobj.client.agent_seam)."""
+        if self._loop is None or self._agent is None:
+            raise RuntimeError("the agent is not started")
+        return self._loop
+
+    def _on_loop(self, what: str) -> None:
+        """The store is this loop's alone: a caller on another thread is a bug, not a race to paper over."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is None or running is not self._loop:
+            raise RuntimeError(f"{what} must be called on the agent's loop (the embedding client's core runs there)")
 
     # -- bridging ----------------------------------------------------------------------
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
@@ -287,11 +313,15 @@ class AgentRuntime:
         return self._call(self._free(object_id, wait_fence), timeout)
 
     def set_record_pending(self, object_id: str, pending: bool) -> None:
-        """From the embedding client's write-behind: whether the object's GPUObject is still unrecorded."""
+        """From the embedding client's write-behind, on this loop: whether the object's GPUObject is still
+        unrecorded."""
+        self._on_loop("set_record_pending")
         self.agent.store.set_record_pending(object_id, pending)
 
     def set_private(self, object_id: str, private: bool) -> None:
-        """From the embedding client's write-behind: the object is private, held and never recorded."""
+        """From the embedding client's write-behind, on this loop: the object is private, held and never
+        recorded."""
+        self._on_loop("set_private")
         self.agent.store.set_private(object_id, private)
 
     async def afree(self, object_id: str, *, wait_fence: bool = False) -> dict[str, Any]:
@@ -364,9 +394,8 @@ class AgentRuntime:
         return fetcher.fetch_granted_direct(endpoint, object_id, grant, device=device, timeout=timeout)
 
     def set_handoff_sink(self, sink: Callable[[str, str], Coroutine[Any, Any, bool]] | None) -> None:
-        """Route receivers' releases of hand-off claims to `sink` (a coroutine function on any loop).
-
-        The agent awaits it from its own loop; a sink living on another loop is run there."""
+        """Route receivers' releases of hand-off claims to `sink`: a coroutine function the agent awaits on
+        its own loop, where the embedding client's core runs too."""
         if sink is None:
             self.agent.handoff_sink = None
             return

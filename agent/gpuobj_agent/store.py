@@ -86,7 +86,7 @@ class ObjectStore:
         self.streams: dict[str, set[str]] = {}
         self.published: dict[str, list[torch.Tensor]] = {}
         # Objects whose GPUObject the embedding client has queued but not recorded yet (its write-behind);
-        # set from the client's thread (single set operations: atomic under the GIL).
+        # set by the client's core, which runs on this store's loop (gpuobj.client.loop): one thread.
         self._record_pending: set[str] = set()
         self._private: set[str] = set()  # the same client's private objects: never to be recorded
         self._freed_grants: OrderedDict[str, frozenset[str]] = OrderedDict()  # object id -> sharedWith, bounded

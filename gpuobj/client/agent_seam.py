@@ -14,10 +14,16 @@ Two levels, and the core asks which one it has once, at construction (`reader_of
   takes published tensors and pools memory (a put with ``on_release``). The embedded runtime is one;
   the scale fleet's agents are not (they hold bytes nobody reads). Only methods, so that the
   `isinstance` check evaluates no property.
+
+Where the core runs (`loop_of`, asked once by `gpuobj.Client`): an agent that runs an event loop of
+its own (`LoopHost`: the embedded runtime, on its thread) lends it to the core, so the process runs
+one loop and every call across this seam is a plain await on it. An agent with no loop of its own
+(the scale fleet's, or a unit test's) runs on whatever loop awaits it: the core's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -79,15 +85,17 @@ class AgentSeam(Protocol):
         ...
 
     def set_record_pending(self, object_id: str, pending: bool) -> None:
-        """The write-behind's word: the object's GPUObject is (not yet) recorded."""
+        """The write-behind's word: the object's GPUObject is (not yet) recorded (on the agent's loop)."""
         ...
 
     def set_private(self, object_id: str, private: bool) -> None:
-        """The write-behind's word: the object is private, held and never recorded (docs/design.md)."""
+        """The write-behind's word: the object is private, held and never recorded (docs/design.md; on the
+        agent's loop)."""
         ...
 
     def set_handoff_sink(self, sink: HandoffSink | None) -> None:
-        """Route receivers' releases of hand-off claims to `sink` (the core's queue owns them)."""
+        """Route receivers' releases of hand-off claims to `sink` (the core's queue owns them); the agent
+        awaits it on its loop, which is the core's."""
         ...
 
 
@@ -145,6 +153,20 @@ class ReadingAgent(Protocol):
     def publish(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
         """Offer tensors under `key` for a GPUObject declared with kubectl to bind."""
         ...
+
+
+@runtime_checkable
+class LoopHost(Protocol):
+    """An agent that runs its own event loop on a thread of its own (the embedded runtime)."""
+
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop the agent serves on; the client core runs there too."""
+        ...
+
+
+def loop_of(agent: AgentSeam) -> asyncio.AbstractEventLoop | None:
+    """The agent's own loop for the core to run on, or None when it runs on its caller's loop."""
+    return agent.event_loop() if isinstance(agent, LoopHost) else None
 
 
 def reader_of(agent: AgentSeam) -> ReadingAgent | None:

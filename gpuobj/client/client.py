@@ -1,9 +1,9 @@
 """The client library workloads call: put, fetch, borrow, share, adopt, release, publish, streams.
 
 This is the facade: every public call has a sync form for ordinary code and an ``a``-prefixed
-async form for asyncio workloads; both run the client's async core (core.py) on the client's
-own loop thread with a deadline, and translate whatever goes wrong underneath into the
-`GpuObjError` hierarchy (errors.py) at one choke point (loop.Runner).
+async form for asyncio workloads; both run the client's async core (core.py) on the process's
+one event loop, the embedded agent's (loop.py), with a deadline, and translate whatever goes
+wrong underneath into the `GpuObjError` hierarchy (errors.py) at one choke point (loop.Runner).
 
 Kubernetes side: GPUObjects and GPUObjectClaims are written behind the caller
 (writebehind.py): `put`, `share` and `release` return once the bytes are stored and the
@@ -15,6 +15,7 @@ request to the source.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import logging
@@ -25,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from gpuobj.client import errors
-from gpuobj.client.agent_seam import AgentSeam
+from gpuobj.client.agent_seam import AgentSeam, loop_of
 from gpuobj.client.core import ClientCore, describe_ref
 from gpuobj.client.handles import ObjectAddress, ObjectRef, SharedRef
-from gpuobj.client.loop import LoopThread, Runner
+from gpuobj.client.loop import LoopBridge, LoopThread, Runner, cancel_tasks
 from gpuobj.client.reads import Fetched
 from gpuobj.client.shards import Shard
 from gpuobj.client.streams import StreamReader, StreamWriter
@@ -121,10 +122,11 @@ class Client:
         object may live without ever being recorded; ``max_pending_writes``
         ($GPUOBJ_MAX_PENDING_WRITES) bounds the queue, and a put that finds it full waits up to
         ``backpressure_timeout`` ($GPUOBJ_BACKPRESSURE_TIMEOUT, default the call timeout) and then
-        raises WriteBehindFullError."""
+        raises WriteBehindFullError.
+
+        The core runs on ``agent``'s own loop when it runs one (the embedded runtime: one loop in the
+        process); an agent that runs none gets a loop thread made here, which it then shares."""
         self._owns_agent = owns_agent
-        self._loop = LoopThread()
-        self.runner = Runner(self._loop, timeout)
         config = kube_config or load_kubeconfig(kubeconfig)
         if write_behind is None:
             write_behind = os.environ.get("GPUOBJ_WRITE_BEHIND", "1") not in ("0", "false", "no")
@@ -145,22 +147,39 @@ class Client:
                 "max_pending": int(max_pending_writes),
                 "backpressure_timeout": backpressure_timeout,
             }
-        self.core: ClientCore = self._loop.call(
-            ClientCore.create(
-                pod_name=pod_name,
-                namespace=namespace,
-                pod_uid=pod_uid,
-                agent=agent,
-                kube_config=config,
-                token_file=token_file,
-                timeout=timeout,
-                write_behind=wb_options,
-            ),
-            timeout,
-        )
-        self._release_task = self._loop.submit(self.core.releases.run())
+        host = loop_of(agent)
+        self._own_loop: LoopThread | None = None
+        if host is None:
+            self._own_loop = LoopThread()
+            self._loop: LoopBridge = self._own_loop
+        else:
+            self._loop = LoopBridge(host)
+        self.runner = Runner(self._loop, timeout)
+        try:
+            self.core: ClientCore = self._loop.call(
+                ClientCore.create(
+                    pod_name=pod_name,
+                    namespace=namespace,
+                    pod_uid=pod_uid,
+                    agent=agent,
+                    kube_config=config,
+                    token_file=token_file,
+                    timeout=timeout,
+                    write_behind=wb_options,
+                ),
+                timeout,
+            )
+            # The core's one background task on the shared loop; close() cancels it before the agent stops.
+            self._tasks: list[asyncio.Task[None]] = [self._loop.call(self._start_releases(), timeout)]
+        except BaseException:
+            if self._own_loop is not None:
+                self._own_loop.stop()
+            raise
         self._closed = False
         _at_shutdown(self.close)
+
+    async def _start_releases(self) -> asyncio.Task[None]:
+        return asyncio.create_task(self.core.releases.run(), name="gpuobj-releases")
 
     # ------------------------------------------------------------ identity
 
@@ -317,7 +336,7 @@ class Client:
 
     def pack_stats(self) -> dict[str, Any]:
         """State dicts' pack buffers (docs/weight-sync.md): made, reused, bytes, peak bytes holding versions."""
-        return self.core.packs.stats()
+        return self.runner.read_state(self.core.packs.stats, "read the pack pool's stats")  # the pool is the loop's
 
     def write_stats(self) -> dict[str, Any]:
         """The write-behind queue: pending writes, families, sent, elided, retries, last error."""
@@ -394,7 +413,8 @@ class Client:
     # ------------------------------------------------------------ shutdown
 
     def close(self) -> None:
-        """Release what is pending, stop the client loop and, if it owns one, the embedded agent."""
+        """Release what is pending, cancel the core's tasks on the loop and then, if it owns one, stop the
+        embedded agent (its loop with it). Every step waits with a bound."""
         if self._closed:
             return
         self._closed = True
@@ -418,14 +438,23 @@ class Client:
         except Exception as exc:
             log.warning("gpuobj client shutdown: %s", exc)
         finally:
-            self._release_task.cancel()
-            self._loop.stop()
+            with contextlib.suppress(Exception):  # the loop is the agent's: only the core's own tasks go
+                if self._loop.running:
+                    self._loop.call(self._end_tasks(), timeout=10)
+            if self._own_loop is not None:
+                self._own_loop.stop()
             if self._owns_agent:
                 from gpuobj_agent.runtime import AgentRuntime
 
                 if isinstance(self.agent, AgentRuntime):  # the one `connect` started
                     with contextlib.suppress(Exception):
                         self.agent.stop()
+
+    async def _end_tasks(self) -> None:
+        """On the loop: the agent no longer routes hand-off releases here, and the core's tasks end."""
+        if self.core.wb is not None:
+            self.core.agent.set_handoff_sink(None)
+        await cancel_tasks(self._tasks, timeout=5)
 
     def __enter__(self) -> Client:
         return self

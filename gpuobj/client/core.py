@@ -1,7 +1,8 @@
-"""The client's async core: put, fetch, borrow, share, adopt, release, streams' I/O, on the client loop.
+"""The client's async core: put, fetch, borrow, share, adopt, release, streams' I/O, on the agent's loop.
 
 Why a core under the facade: every operation is written once, as a coroutine that runs on
-the client's own loop (loop.py); `gpuobj.Client` (client.py) only bridges sync and async
+the process's one loop, the embedded agent's (loop.py), so its calls into the agent are plain
+awaits; `gpuobj.Client` (client.py) only bridges sync and async
 callers to it, with a deadline and the error translation. Streams (streams.py) use this core
 directly, through its public methods, never through the facade's internals. Around it: the
 agent seam it holds (agent_seam.py), the bodies it writes (bodies.py), a read's decisions
@@ -145,7 +146,7 @@ class ClientCore:
 
     @classmethod
     async def create(cls, kube_config: KubeConfig, *, agent: AgentSeam, **kwargs: Any) -> ClientCore:
-        """On the client loop: the core and its REST client bind to the loop they are made on."""
+        """On the agent's loop: the core and its REST client bind to the loop they are made on."""
         return cls(kube=KubeClient(kube_config), agent=agent, **kwargs)
 
     # ------------------------------------------------------------ identity
@@ -252,7 +253,7 @@ class ClientCore:
             pack = self.packs.take(plan)
         back = self.packs.returner(pack)
         try:
-            await asyncio.to_thread(pack.fill, plan)  # the version's bytes, copied off the client loop
+            await asyncio.to_thread(pack.fill, plan)  # the version's bytes, copied off the loop
             ref = await self.put(
                 pack.views,
                 name=name,
@@ -520,10 +521,7 @@ class ClientCore:
         await self.agent.afree(object_id)
 
     async def handoff_sink(self, claim: str, pod: str) -> bool:
-        """On the agent's loop: pod `pod` released a claim we made for it. Handled on our loop."""
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._handoff_release(claim, pod), self.loop))
-
-    async def _handoff_release(self, claim: str, pod: str) -> bool:
+        """Awaited by the agent on its loop (ours): pod `pod` released a claim we made for it."""
         if self.wb is None:
             return False
         found = self.wb.find("claim", self.namespace, claim)

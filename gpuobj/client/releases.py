@@ -1,8 +1,9 @@
-"""The release queue: references dropped on any thread, released in order on the client loop.
+"""The release queue: references dropped on any thread, released in order on the process's one loop.
 
 Why a queue (docs/design.md, "teardown without deserialization"): a handle's finalizer may run on
 any thread, inside the garbage collector, even during interpreter shutdown. It only puts plain
-data here and never blocks, raises or does I/O; the client loop drains the queue. A claim's release waits while a fetch
+data here and never blocks, raises or does I/O; the loop (the agent's, which the client core runs
+on) drains the queue. A claim's release waits while a fetch
 under that claim is in flight (its bytes must outlive the read), and goes on once the read
 ends. A release that fails is logged and dropped here: the write-behind queue underneath
 retries what it owns, and the pod's death or the operator's audit cleans up the rest.
@@ -25,7 +26,12 @@ ProcessFn = Callable[[str, str, str, str, "tuple[str, str] | None"], Awaitable[N
 
 
 class ReleaseQueue:
-    """Thread-safe entry (`put`, `begin_read`, `end_read`); draining runs on `loop`."""
+    """Thread-safe entry (`put`, `begin_read`, `end_read`); draining runs on `loop`.
+
+    Why these stay cross-thread with one loop: `put` is called by finalizers on whatever thread the
+    garbage collector runs, and `begin_read`/`end_read` by a sync fetch that reads with a grant in the
+    workload's own thread (core.fetch_direct); so the wake-up is `call_soon_threadsafe` and the read
+    counts take a lock."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, process: ProcessFn) -> None:
         self.loop = loop
@@ -69,7 +75,7 @@ class ReleaseQueue:
         except RuntimeError:
             pass  # loop already closed: close() drains the queue itself
 
-    # -- the client loop -------------------------------------------------------------------
+    # -- the loop --------------------------------------------------------------------------
     async def run(self) -> None:
         """The worker: drain whenever something was queued (cancelled at close)."""
         while True:

@@ -28,8 +28,6 @@ agent calls are the caller's (core.py).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -181,14 +179,16 @@ Tag = tuple[str, str]  # (namespace, name) of the object a busy buffer holds
 
 
 class PackPool:
-    """Idle pack buffers by signature, and counts a test or a benchmark asserts on. Thread-safe: the
-    agent gives buffers back from its own loop."""
+    """Idle pack buffers by signature, and counts a test or a benchmark asserts on.
+
+    Used on one loop only, the process's one (gpuobj.client.loop): the core takes buffers there, and
+    the agent gives them back there (its free runs `returner`'s callback on its loop, which is the
+    core's). So no lock and no cross-thread wake-up; a workload thread reads `stats` through the loop."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._idle: dict[Signature, list[Pack]] = {}
         self._busy: dict[int, tuple[Signature, Tag | None]] = {}  # id(pack) -> (signature, the object in it)
-        self._waiters: list[tuple[Signature, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._waiters: list[tuple[Signature, asyncio.Future[None]]] = []
         self.allocated = 0  # buffers made (each is one NIXL registration on its first put)
         self.reused = 0
         self.bytes = 0  # bytes of every buffer the pool made (idle or holding a version)
@@ -209,106 +209,89 @@ class PackPool:
 
     def take(self, p: PackPlan) -> Pack:
         """An idle buffer of this layout, else a new one (registered on its first put)."""
-        with self._lock:
-            pack = self._pop_idle(p)
-            if pack is not None:
-                self.reused += 1
-                self._busy_add(pack, p)
-                return pack
-        pack = Pack(p)
-        with self._lock:
+        pack = self._pop_idle(p)
+        if pack is not None:
+            self.reused += 1
+        else:
+            pack = Pack(p)
             self.allocated += 1
             self.bytes += pack.nbytes
-            self._busy_add(pack, p)
+        self._busy_add(pack, p)
         return pack
 
     def tag(self, pack: Pack, tag: Tag) -> None:
         """Which object `pack` holds now (its put returned), so that a later take can tell whether it drains."""
-        with self._lock:
-            if id(pack) in self._busy:  # not already given back
-                self._busy[id(pack)] = (pack.signature, tag)
+        if id(pack) in self._busy:  # not already given back
+            self._busy[id(pack)] = (pack.signature, tag)
 
     def draining(self, p: PackPlan, released: Callable[[Tag], bool]) -> bool:
         """No idle buffer of this layout, but one holds a version whose every reference we know of is
         released (`released`): its free is on its way, so waiting for it beats registering a new buffer.
         A version a reader still holds (a lagging reader) is not draining: the put does not wait for it."""
-        with self._lock:
-            if self._idle.get(p.signature):
-                return False
-            tags = [tag for sig, tag in self._busy.values() if sig == p.signature and tag is not None]
+        if self._idle.get(p.signature):
+            return False
+        tags = [tag for sig, tag in self._busy.values() if sig == p.signature and tag is not None]
         return any(released(tag) for tag in tags)
 
     async def take_waiting(self, p: PackPlan, timeout: float) -> Pack:
-        """`take`, after waiting up to `timeout` s for a buffer of this layout to come back (on this loop)."""
+        """`take`, after waiting up to `timeout` s for a buffer of this layout to come back."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         started = time.monotonic()
-        with self._lock:
-            self.waits += 1
+        self.waits += 1
         while True:
-            with self._lock:
-                pack = self._pop_idle(p)
-                if pack is not None:
-                    self.reused += 1
-                    self._busy_add(pack, p)
-                    self.wait_seconds += time.monotonic() - started
-                    return pack
-                left = deadline - loop.time()
-                if left <= 0:
-                    self.wait_timeouts += 1
-                    self.wait_seconds += time.monotonic() - started
-                    break
-                waiter: asyncio.Future[None] = loop.create_future()
-                entry = (p.signature, loop, waiter)
-                self._waiters.append(entry)
+            pack = self._pop_idle(p)
+            if pack is not None:
+                self.reused += 1
+                self._busy_add(pack, p)
+                self.wait_seconds += time.monotonic() - started
+                return pack
+            left = deadline - loop.time()
+            if left <= 0:
+                self.wait_timeouts += 1
+                self.wait_seconds += time.monotonic() - started
+                return self.take(p)
+            entry = (p.signature, loop.create_future())
+            self._waiters.append(entry)
             try:
-                await asyncio.wait({waiter}, timeout=left)
+                await asyncio.wait({entry[1]}, timeout=left)
             finally:
-                with self._lock:
-                    if entry in self._waiters:
-                        self._waiters.remove(entry)
-        return self.take(p)
+                if entry in self._waiters:
+                    self._waiters.remove(entry)
 
     def give_back(self, pack: Pack) -> None:
         """The version in `pack` is freed (no reader can read it any more): the next put may refill it."""
-        with self._lock:
-            self._busy.pop(id(pack), None)
-            self._busy_bytes -= pack.nbytes
-            self._idle.setdefault(pack.signature, []).append(pack)
-            woken = [(loop, fut) for sig, loop, fut in self._waiters if sig == pack.signature]
-        for loop, fut in woken:
-            with contextlib.suppress(RuntimeError):  # that loop closed: nobody waits there any more
-                loop.call_soon_threadsafe(_wake, fut)
+        self._busy.pop(id(pack), None)
+        self._busy_bytes -= pack.nbytes
+        self._idle.setdefault(pack.signature, []).append(pack)
+        for sig, fut in self._waiters:
+            if sig == pack.signature and not fut.done():
+                fut.set_result(None)
 
     def returner(self, pack: Pack) -> Callable[[], None]:
         """A callback for the agent: run once, when the object holding `pack` is released."""
-        done = threading.Event()
+        done = False
 
         def back() -> None:
-            if not done.is_set():
-                done.set()
+            nonlocal done
+            if not done:
+                done = True
                 self.give_back(pack)
 
         return back
 
     def stats(self) -> dict[str, Any]:
-        with self._lock:
-            return {
-                "buffers": self.allocated,
-                "reused": self.reused,
-                "bytes": self.bytes,
-                "busyBytes": self._busy_bytes,
-                "peakBusyBytes": self.peak_busy_bytes,
-                "idle": sum(len(v) for v in self._idle.values()),
-                "waits": self.waits,
-                "waitSeconds": round(self.wait_seconds, 6),
-                "waitTimeouts": self.wait_timeouts,
-            }
-
-
-def _wake(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
+        return {
+            "buffers": self.allocated,
+            "reused": self.reused,
+            "bytes": self.bytes,
+            "busyBytes": self._busy_bytes,
+            "peakBusyBytes": self.peak_busy_bytes,
+            "idle": sum(len(v) for v in self._idle.values()),
+            "waits": self.waits,
+            "waitSeconds": round(self.wait_seconds, 6),
+            "waitTimeouts": self.wait_timeouts,
+        }
 
 
 def unpack(entries: Entries, tensors: list[Any]) -> dict[str, Any]:

@@ -1,13 +1,12 @@
 """The pack pool's decisions: when a put waits for a version's free instead of registering a new buffer.
 
-Logic only (the pool and plain threads); tests/e2e/operator/test_weight_sync.py runs it with the real
+Logic only (the pool on one loop); tests/e2e/operator/test_weight_sync.py runs it with the real
 operator's frees, real processes and NIXL.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import torch
 
@@ -39,9 +38,8 @@ def test_a_put_that_waits_gets_the_buffer_freed_meanwhile_and_registers_nothing_
     first = pool.take(p)
 
     async def main() -> object:
-        # The agent frees the version on its own thread while the put waits.
-        timer = threading.Timer(0.05, pool.give_back, args=(first,))
-        timer.start()
+        # The agent frees the version on the loop (the one the core runs on) while the put waits.
+        timer = asyncio.get_running_loop().call_later(0.05, pool.give_back, first)
         try:
             return await pool.take_waiting(p, timeout=30)
         finally:
