@@ -3,7 +3,8 @@
     make bench-scale                # 1,000 pods, 20 nodes, 100 objects per pod (10 of them shared): 100,000
     .venv/bin/python bench/scale.py --pods 100 --objects-per-pod 10 --shared-per-pod 2 --json out.json
 
-On one control plane (etcd, kube-apiserver, kube-controller-manager) this starts kwok with --nodes
+On one control plane (etcd, kube-apiserver, kube-controller-manager) with the chart's API Priority and
+Fairness objects (deploy/flowcontrol.yaml; --no-flowcontrol leaves them out) this starts kwok with --nodes
 fake nodes and a pod CIDR made local on this machine, the operator as its own ServiceAccount with
 the chart's roles (reaching agents at status.podIP), and the agent fleet (dev/gpuobj_dev/scale):
 every fake pod's real agent control server and store at its pod IP, and the real client core with
@@ -24,7 +25,10 @@ front proxy would. Then, in order, on the same cluster:
                 dying again in their first second; p99 time until what they held is freed; pods deleted
   storm         10% of the pods deleted at once: time until every byte they referenced is freed,
                 the API server's mutating p99 meanwhile
-  churn         recorded (named) lifecycles at rising rates: the highest with mutating p99 <= 1 s, writes each
+  churn         recorded (named) lifecycles at rising rates: the highest with mutating p99 <= 1 s (the rate
+                fitted over every launch time), object writes each (gpuobj.io and Events: the Lease writes of
+                kwok's nodes and the operator, made with nothing changing, are printed apart, with the idle
+                phase's Lease baseline for the step's window)
   audit         agents holding 10, 1,000, 10,000 orphans: every inventory read whole, every orphan reclaimed
   end           wrong frees (freed while referenced, as the fleet knows) and leaked bytes
 
@@ -57,6 +61,7 @@ from gpuobj_dev.scale import apimetrics, scenarios  # noqa: E402
 from gpuobj_dev.scale.harness import ScaleHarness  # noqa: E402
 from gpuobj_dev.scale.kwok import DEFAULT_CIDR, can_route  # noqa: E402
 from gpuobj_dev.testing.cluster import ClusterHandle  # noqa: E402
+from gpuobj_dev.testing.identities import OPERATOR_SA  # noqa: E402
 
 NAMESPACE = "gpuobj-scale"
 KEYS = (
@@ -107,6 +112,28 @@ TARGETS = {
     "live_view_list_all_s": (10.0, "le"),
     "mutating_p99_s_max": (1.0, "le"),
 }
+
+
+def install_flowcontrol(handle: ClusterHandle, queue_length: int | None = None) -> None:
+    """The API Priority and Fairness objects a chart install ships (deploy/flowcontrol.yaml, the chart's
+    rendering), with the operator's subject made the bench's ServiceAccount: the fleet's gpuobj.io
+    writes land in the workloads' priority level, queued by namespace, as in a real install."""
+    import yaml
+
+    docs = list(yaml.safe_load_all((REPO / "deploy" / "flowcontrol.yaml").read_text()))
+    for doc in docs:
+        for rule in (doc.get("spec") or {}).get("rules") or []:
+            for subject in rule.get("subjects") or []:
+                if subject.get("kind") == "ServiceAccount":
+                    subject["serviceAccount"] = {"namespace": NAMESPACE, "name": OPERATOR_SA}
+        queuing = ((doc.get("spec") or {}).get("limited") or {}).get("limitResponse", {}).get("queuing")
+        if (
+            queue_length
+            and doc["kind"] == "PriorityLevelConfiguration"
+            and doc["metadata"]["name"].endswith("-workloads")
+        ):
+            queuing["queueLengthLimit"] = queue_length
+    handle.kubectl("apply", "-f", "-", input="\n---\n".join(json.dumps(d) for d in docs))
 
 
 def load() -> str:
@@ -249,6 +276,9 @@ async def run(args: argparse.Namespace, handle: ClusterHandle, folder: Path, fig
             extra["shared writes refused"] = (
                 f"{fmt(r.shared_refused_per_object)} per shared object answered non-2xx (429, 409, 5xx, time-out)"
             )
+            extra["shared writes by answer"] = (
+                ", ".join(f"{k} {v:.3f}" for k, v in list(r.shared_writes_by_answer.items())[:14]) or "none"
+            )
             for label, by in (("private", r.private_writes_by_resource), ("shared", r.shared_writes_by_resource)):
                 extra[f"object writes per {label} object"] = (
                     ", ".join(f"{k} {v:.3f}" for k, v in list(by.items())[:8]) or "none"
@@ -305,10 +335,16 @@ async def run(args: argparse.Namespace, handle: ClusterHandle, folder: Path, fig
                 else (c.steps[0].writes_per_lifecycle if c.steps else None),
             )
             for step in c.steps:
+                # Not a lifecycle's writes: Leases (kwok's nodes, the operator's), written with nothing changing;
+                # the idle phase measured them, and this step's window would hold as many.
+                baseline = idle.lease_writes_per_min * step.seconds / 60
                 extra[f"churn at {step.target_per_s:g}/s"] = (
-                    f"achieved {step.achieved_per_s:.0f}/s, p99 {fmt(step.mutating_p99_s)} s, "
-                    f"{step.writes_per_lifecycle:.2f} writes each, {step.unfreed} unfreed; per lifecycle: "
-                    + ", ".join(f"{k} {v:.2f}" for k, v in list(step.writes_by_resource.items())[:8])
+                    f"achieved {step.achieved_per_s:.2f}/s (launcher late {step.late_p99_s * 1e3:.0f} ms p99,"
+                    f" {step.late_max_s * 1e3:.0f} ms max), p99 {fmt(step.mutating_p99_s)} s,"
+                    f" {step.writes_per_lifecycle:.3f} object writes each, {step.unfreed} unfreed; not counted:"
+                    f" {step.other_writes:.0f} other writes in its {step.seconds:.0f} s (idle Lease baseline"
+                    f" {baseline:.0f}); per lifecycle, every write: "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in list(step.writes_by_resource.items())[:8])
                 )
             audits = await phases.run("audit", scenarios.audit_at_size(h, args.audit_sizes, args.audit_timeout, log))
             for a in audits:
@@ -344,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         help="longest wait for every status: in the ramp (its shared-write figure) and before the idle window",
     )
     p.add_argument("--dead-fraction", type=float, default=0.02, help="share of pods whose process restarts")
-    p.add_argument("--churn-rates", type=float, nargs="+", default=[25, 50, 100, 200, 400])
+    p.add_argument("--churn-rates", type=float, nargs="+", default=[25, 50, 100, 150, 200, 400])
     p.add_argument("--churn-seconds", type=float, default=10.0, help="length of each churn step")
     p.add_argument("--audit-sizes", type=int, nargs="+", default=[10, 1000, 10000])
     p.add_argument("--audit-timeout", type=float, default=180.0)
@@ -353,6 +389,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle-seconds", type=float, default=60.0, help="longest wait for leaks to clear at the end")
     p.add_argument("--cidr", default=DEFAULT_CIDR, help="kwok's pod CIDR, made local on this machine")
     p.add_argument("--json", help="write every figure here")
+    p.add_argument(
+        "--apf-queue-length",
+        type=int,
+        help="the workloads' priority level's queueLengthLimit instead of deploy/flowcontrol.yaml's (to compare)",
+    )
+    p.add_argument(
+        "--no-flowcontrol",
+        action="store_true",
+        help="leave out the chart's APF objects (deploy/flowcontrol.yaml): the fleet in the cluster's own levels",
+    )
     p.add_argument(
         "--no-fail-on-miss",
         action="store_true",
@@ -369,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         handle = ClusterHandle(cluster, cluster.up())
         handle.apply_crds()
+        if not args.no_flowcontrol:
+            install_flowcontrol(handle, args.apf_queue_length)
         asyncio.run(run(args, handle, folder, figures))
     except KeyboardInterrupt:
         log("interrupted: tearing everything down")

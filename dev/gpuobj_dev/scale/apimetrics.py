@@ -34,13 +34,21 @@ class ApiSnapshot:
     buckets: dict[float, float] = field(default_factory=dict)  # mutating requests with latency <= le
     requests: dict[tuple[str, str, str], float] = field(default_factory=dict)  # (verb, group, resource[/sub]) -> count
     object_codes: dict[str, float] = field(default_factory=dict)  # object writes (see object_writes) by answer code
+    # object writes by "VERB resource code" (code as the API server answered: 201, 409, 429, 504...)
+    object_answers: dict[str, float] = field(default_factory=dict)
 
     def minus(self, earlier: ApiSnapshot) -> ApiSnapshot:
         return ApiSnapshot(
             {le: n - earlier.buckets.get(le, 0.0) for le, n in self.buckets.items()},
             {k: n - earlier.requests.get(k, 0.0) for k, n in self.requests.items()},
             {c: n - earlier.object_codes.get(c, 0.0) for c, n in self.object_codes.items()},
+            {a: n - earlier.object_answers.get(a, 0.0) for a, n in self.object_answers.items()},
         )
+
+    def object_writes_by_answer(self) -> dict[str, float]:
+        """`object_writes` by "VERB resource code", largest first: which answers a write's resends got (a 429
+        from a full priority-level queue, a 504 time-out, a 409 or 404 for a resend whose first try landed)."""
+        return dict(sorted(((a, n) for a, n in self.object_answers.items() if n > 0), key=lambda kv: -kv[1]))
 
     def object_writes_refused(self) -> float:
         """Object writes the API server answered with anything but 2xx (429 when its queues were full, 409,
@@ -126,6 +134,7 @@ def parse(text: str) -> ApiSnapshot:
     buckets: dict[float, float] = defaultdict(float)
     requests: dict[tuple[str, str, str], float] = defaultdict(float)
     codes: dict[str, float] = defaultdict(float)
+    answers: dict[str, float] = defaultdict(float)
     for line in text.splitlines():
         if not line.startswith("apiserver_request_"):
             continue
@@ -142,9 +151,10 @@ def parse(text: str) -> ApiSnapshot:
             requests[(verb, labels.get("group", ""), resource)] += value
             if verb in MUTATING and _is_object(labels.get("group", ""), resource):
                 codes[labels.get("code", "")] += value
+                answers[f"{verb} {resource} {labels.get('code', '')}"] += value
         elif verb in MUTATING:
             buckets[float(labels["le"])] += value
-    return ApiSnapshot(dict(buckets), dict(requests), dict(codes))
+    return ApiSnapshot(dict(buckets), dict(requests), dict(codes), dict(answers))
 
 
 def scrape(handle: ClusterHandle, timeout: float = 30.0) -> ApiSnapshot:

@@ -92,6 +92,22 @@ def test_refused_object_writes_are_counted_apart_and_still_charged() -> None:
     assert snap.object_writes_refused() == 8
     earlier = apimetrics.parse(counter("POST", "gpuobj.io", "gpuobjectclaims", 4, code="429"))
     assert snap.minus(earlier).object_writes_refused() == 4
+    # Which answers: by verb, resource and code, largest first (the resends' 429s, 504s, 409s, 404s).
+    assert snap.minus(earlier).object_writes_by_answer() == {
+        "POST gpuobjectclaims 201": 10,
+        "DELETE gpuobjects 504": 2,
+        "POST gpuobjectclaims 429": 2,
+    }
+
+
+def test_the_churn_rate_is_the_slope_over_every_launch_not_set_by_the_last_one() -> None:
+    on_time = [i / 100 for i in range(1000)]
+    assert scenarios.launch_rate(on_time) == pytest.approx(100.0)
+    last_late = [*on_time[:-1], on_time[-1] + 0.014]  # n / last launch read 99.96/s for this
+    assert scenarios.launch_rate(last_late) == pytest.approx(100.0, abs=0.01)
+    behind = [i / 100 * 1.25 for i in range(1000)]  # a launcher that kept 80/s
+    assert scenarios.launch_rate(behind) == pytest.approx(80.0)
+    assert scenarios.launch_rate([0.0]) == 0.0
 
 
 def test_mutating_p99_interpolates_within_the_bucket_and_ignores_reads() -> None:
