@@ -88,6 +88,9 @@ class Reconciler:
         # Retries back off to 5 s at most: after an API outage every item is tried again within seconds.
         self.queue: WorkQueue[WorkItem] = WorkQueue(max_delay=5.0)
         self.expected = Expectations()
+        # (kind, key) -> (the desired status last asked for, when it last changed, when first asked): a held
+        # status write waits until what it would say has settled (_status_not_due).
+        self._settling: dict[tuple[str, Key], tuple[str, float, float]] = {}
         self.may_act = may_act or (lambda: True)
         self._tasks: list[asyncio.Task[None]] = []
         self.prober = Prober(self.ledger, agents, self.enqueue, settings)
@@ -244,17 +247,49 @@ class Reconciler:
             self.on_object("MODIFIED", response)
         self._emit("GPUObject", a.key, a.uid, "Normal", a.reason, f"deleted: {a.message}")
 
-    def _status_not_due(self, kind: str, key: Key, urgent: bool) -> bool:
+    def _status_not_due(self, kind: str, key: Key, urgent: bool, status: dict[str, Any]) -> bool:
         """Hold a routine status write back for ``status_delay`` (expectations.py): a short-lived object
-        is usually gone before then and costs the API server nothing; it is decided again when due."""
-        wait = self.expected.status_wait(kind, key, urgent, self.settings.status_delay, time.monotonic())
+        is usually gone before then and costs the API server nothing; it is decided again when due.
+
+        And until what it would say has settled: when due, a status that changed less than ``status_delay``
+        ago waits until it is that old (at most SETTLE_CAP delays after the first ask). Why: a hand-off
+        lands as three writes (the object's create, the claim's, the object's delete) tenths of a second
+        apart under load; one status after the last says what two in between would."""
+        now, delay, item = time.monotonic(), self.settings.status_delay, (kind, key)
+        if not urgent and delay > 0:
+            self._note_asked(item, status, now)
+        settling = self._settling.get(item)
+        if settling is not None and now - settling[2] >= self.SETTLE_CAP * delay:
+            self.expected.status_due.pop(item, None)  # asked for long enough: written now, settled or not
+            wait = 0.0
+        else:
+            wait = self.expected.status_wait(kind, key, urgent, delay, now)
+            if wait <= 0 and settling is not None and (wait := max(0.0, settling[1] + delay - now)) > 0:
+                self.expected.status_due[item] = now + wait  # due again then (the expectations' table)
         if wait > 0:
-            self.queue.add_after((kind, key), wait)
-        return wait > 0
+            self.queue.add_after(item, wait)
+            return True
+        self._settling.pop(item, None)
+        return False
+
+    SETTLE_CAP = 8  # a status that keeps changing is written at most this many status delays after first asked
+
+    def _note_asked(self, item: tuple[str, Key], status: dict[str, Any], now: float) -> None:
+        """Remember what a held status would say and when that last changed (transition times aside)."""
+        while self._settling:  # asked for long ago and never written (its record went first): forget
+            oldest = next(iter(self._settling))
+            if now - self._settling[oldest][2] <= 60:
+                break
+            del self._settling[oldest]
+        said = repr(sorted((k, repr(v)) for k, v in status.items() if k != "conditions")) + repr(
+            [(c.get("type"), c.get("status"), c.get("reason")) for c in status.get("conditions") or []]
+        )
+        previous, changed, first = self._settling.get(item, (said, now, now))
+        self._settling[item] = (said, now if previous != said else changed, first)
 
     async def _do_PatchObjectStatus(self, a: PatchObjectStatus) -> None:
         urgent = a.status.get("state") in (names.STATE_LOST, names.STATE_FAILED)
-        if self._status_not_due("object", a.key, urgent):
+        if self._status_not_due("object", a.key, urgent, a.status):
             return
         await self._patch_object_status(a.key, a.status)
 
@@ -269,7 +304,7 @@ class Reconciler:
         self.on_object("MODIFIED", patched)
 
     async def _do_PatchClaimStatus(self, a: PatchClaimStatus) -> None:
-        if self._status_not_due("claim", a.key, a.status.get("state") == "Lost"):
+        if self._status_not_due("claim", a.key, a.status.get("state") == "Lost", a.status):
             return
         try:
             patched = await self.kube.patch(CLAIMS, a.key[1], {"status": a.status}, a.key[0], subresource="status")

@@ -324,3 +324,33 @@ def test_a_resync_of_an_unchanged_ledger_writes_nothing() -> None:
         assert len([c for c in api.calls if c[0] == "patch"]) == writes
 
     asyncio.run(go())
+
+
+def test_a_held_status_waits_until_what_it_says_has_settled_at_most_eight_delays(monkeypatch) -> None:
+    """A hand-off's three writes land tenths of a second apart: the object's status is written once, after
+    the last, instead of once per change; one that keeps changing is written SETTLE_CAP delays after."""
+    api, agents, events = FakeApi(), FakeAgents(), Events()
+    box: list[Reconciler] = []
+    r = Reconciler(api, agents, OperatorMetrics(lambda: box[0].ledger), events, Settings(status_delay=0.25))  # type: ignore[arg-type]
+    box.append(r)
+    monkeypatch.setattr(r.queue, "add_after", lambda item, delay: None)  # decided again when due: the test asks
+    now = [100.0]
+    monkeypatch.setattr("gpuobj_operator.reconciler.time.monotonic", lambda: now[0])
+    ready, held, releasing = ({"state": s, "claims": c} for s, c in (("Ready", 0), ("Ready", 1), ("Releasing", 1)))
+    key = (NS, "w")
+    assert r._status_not_due("object", key, False, ready)  # first ask: held for the delay
+    now[0] += 0.1
+    assert r._status_not_due("object", key, False, held)  # the claim landed
+    now[0] += 0.15  # due (0.25 after the first ask), but it changed 0.15 s ago
+    assert r._status_not_due("object", key, False, held)
+    now[0] += 0.05
+    assert r._status_not_due("object", key, False, releasing)  # the owner's delete landed
+    now[0] += 0.25
+    assert not r._status_not_due("object", key, False, releasing)  # settled: one write
+    assert r._status_not_due("object", key, False, ready)  # a new round of asks starts afresh
+    for i in range(20):  # changing every 0.125 s: written SETTLE_CAP (8) delays after the first ask all the same
+        now[0] += 0.125
+        if not r._status_not_due("object", key, False, held if i % 2 else ready):
+            break
+    assert now[0] - 100.55 == pytest.approx(2.0)
+    assert not r._status_not_due("object", key, True, {"state": "Lost"})  # urgent: at once
