@@ -7,7 +7,29 @@ queue never drains faster. No client can bound the fleet as a whole, but each ca
 does (additive increase, multiplicative decrease): halve its own limit when the API server throttles
 (a 429, even one the kube client retried after its Retry-After; a timeout; a 5xx), at most once per
 ``calm`` seconds so that one burst of answers counts once, and grow it back by one per round of
-writes that landed unthrottled. The decisions are pure; ``acquire``/``release`` only wait for room.
+writes that landed unthrottled.
+
+Three more rules make a fleet of many pods back off before the API server refuses (docs/write-behind.md,
+"Congestion"):
+
+- **Slow start.** The limit starts at ``initial`` (the write-behind: 1) and grows by one per write that
+  landed unthrottled (doubling per round) until the first cut, as TCP does: 1,000 pods starting at once
+  begin with 1,000 requests in flight, not 16,000.
+- **Latency is a signal.** A write whose answer took longer than ``slow`` seconds counts as throttled:
+  the API server's priority-and-fairness queues hold a request before they refuse it, so a rising write
+  latency is the refusal that is coming (TCP Vegas' idea; ``slow`` defaults to half of the 1 s mutating
+  p99 the API server's SLO allows).
+- **Below one in flight.** The limit may fall under one (to ``floor``, 1/32 by default): then one write is
+  in flight at a time and the next starts ``gap`` seconds after the last began: the last write's latency
+  times (1 / size - 1), at most ``max_gap``, so a pod at size s has a write in flight a fraction s of the
+  time. The last latency, not a smoothed one: a paced pod writes seldom, and a smoothed latency would keep
+  a burst's seconds long after the queue drained. With 1,000 pods at 1/32 each and an API server that
+  writes 100 objects a second, the fleet offers about 1,000 / (32 x latency) a second: it settles where
+  latency is ~0.3 s. Each unthrottled write doubles the size (a few answers lift the pacing).
+
+The decisions are pure (``observe``, ``limit``, ``gap``, ``hold``); ``acquire``/``release`` only wait.
+A Retry-After the kube client waited out is honoured there, per request; ``hold`` lets a caller who
+read one keep every new write of the process back as long.
 """
 
 from __future__ import annotations
@@ -15,7 +37,9 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+
+SLOW_WRITE_S = 0.5  # a write answered later than this says the API server queues (half its 1 s p99 SLO)
 
 
 def jittered(delay: float, draw: Callable[[], float] = random.random) -> float:
@@ -28,44 +52,90 @@ def jittered(delay: float, draw: Callable[[], float] = random.random) -> float:
 
 
 class InFlightLimit:
-    """A semaphore whose size follows the API server's answers, between ``floor`` and ``ceiling``."""
+    """A semaphore whose size follows the API server's answers, between ``floor`` and ``ceiling``; under
+    one it paces the writes (``gap``)."""
 
     def __init__(
-        self, ceiling: int, *, floor: int = 1, calm: float = 1.0, clock: Callable[[], float] = time.monotonic
+        self,
+        ceiling: int,
+        *,
+        floor: float = 1 / 32,
+        max_gap: float = 10.0,
+        initial: float | None = None,
+        calm: float = 1.0,
+        slow: float | None = SLOW_WRITE_S,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
-        if not 1 <= floor <= ceiling:
-            raise ValueError(f"in-flight limit: need 1 <= floor ({floor}) <= ceiling ({ceiling})")
+        if not 0 < floor <= ceiling:
+            raise ValueError(f"in-flight limit: need 0 < floor ({floor}) <= ceiling ({ceiling})")
         self.ceiling = ceiling
         self.floor = floor
         self.calm = calm
+        self.slow = slow
         self.clock = clock
-        self.size = float(ceiling)  # grows by 1/size per unthrottled write: by one per round of them
+        self.sleep = sleep
+        # grows by one per unthrottled write while slow-starting, then by 1/size: by one per round
+        self.size = float(ceiling if initial is None else min(max(initial, floor), ceiling))
+        self.slow_start = initial is not None and self.size < ceiling
+        self.max_gap = max_gap
+        self.latency = 0.0  # the last write's seconds
         self.in_flight = 0
         self.cuts = 0  # how often the API server's throttling halved it (the client's stats)
+        self.slow_writes = 0  # answers later than ``slow`` (the client's stats)
         self._cut_at = float("-inf")
+        self._next_at = float("-inf")  # no write starts before this (pacing under one, or a hold)
         self._room = asyncio.Event()
 
     @property
     def limit(self) -> int:
-        return max(self.floor, int(self.size))
+        """Writes allowed in flight at once: never under one (under one, ``gap`` paces them)."""
+        return max(1, int(self.size))
 
-    def observe(self, throttled: bool) -> None:
-        """One write's answer: throttled (429, timeout, 5xx) or not."""
+    @property
+    def gap(self) -> float:
+        """Seconds from one write's start to the next's while the size is under one, else 0."""
+        if self.size >= 1:
+            return 0.0
+        return min(self.max_gap, self.latency * (1 / self.size - 1))
+
+    def observe(self, throttled: bool, latency: float | None = None) -> None:
+        """One write's answer: throttled (429, timeout, 5xx) or not, and how long it took (seconds)."""
+        if latency is not None:
+            self.latency = latency
+            if self.slow is not None and latency > self.slow and not throttled:
+                self.slow_writes += 1
+                throttled = True
         if throttled:
             now = self.clock()
             if now - self._cut_at >= self.calm and self.size > self.floor:
                 self._cut_at = now
-                self.size = max(float(self.floor), self.size / 2)
+                self.size = max(self.floor, self.size / 2)
+                self.slow_start = False
                 self.cuts += 1
         elif self.size < self.ceiling:
-            self.size = min(float(self.ceiling), self.size + 1 / self.size)
+            if self.size < 1:
+                self.size = min(1.0, self.size * 2)
+            else:
+                self.size = min(float(self.ceiling), self.size + (1 if self.slow_start else 1 / self.size))
             self._wake()
 
+    def hold(self, seconds: float) -> None:
+        """Start no write for ``seconds`` (a Retry-After the caller read): every family of this process waits."""
+        self._next_at = max(self._next_at, self.clock() + seconds)
+
     async def acquire(self) -> None:
-        while self.in_flight >= self.limit:
-            self._room.clear()
-            await self._room.wait()
+        while True:
+            while self.in_flight >= self.limit:
+                self._room.clear()
+                await self._room.wait()
+            wait = self._next_at - self.clock()
+            if wait <= 0:
+                break
+            await self.sleep(wait)
         self.in_flight += 1
+        if self.gap > 0:
+            self._next_at = max(self._next_at, self.clock() + self.gap)
 
     def release(self) -> None:
         self.in_flight -= 1

@@ -32,10 +32,12 @@ writes and return; the queue sends them in the background. What must still hold:
   its bytes die with the process. Its first claim (a `share`, a `borrow`) makes it shared: the held
   create is queued first, then the claim, and the family is sent once it has lived past the window.
   The agent's inventory marks a held object `private`, so the audit neither counts nor reclaims it.
-- Bounded concurrency: at most `concurrency` families are sent at once, fewer while the API server
-  throttles (a 429, even one the kube client retried after its Retry-After; a timeout; a 5xx): the
-  limit halves, and grows back by one per round of writes that land (congestion.py). A fleet of pods
-  cannot be bounded from one of them; each backing off is what keeps the API server's queue short.
+- Bounded concurrency: at most `concurrency` families are sent at once, starting from 1 and doubling
+  per round of writes that land (slow start), fewer while the API server throttles (a 429, even one the
+  kube client retried after its Retry-After; a timeout; a 5xx) or answers a write later than 0.5 s (its
+  queues filling): the limit halves, and grows back by one per round of writes that land; under one it
+  paces the writes, one at a time with a gap (congestion.py). A fleet of pods cannot be bounded from one
+  of them; each backing off is what keeps the API server's queue short.
 - Bounded memory and backpressure: at most `max_pending` writes wait. A create that finds
   the queue full waits for room, and after `backpressure_timeout` raises
   WriteBehindFullError naming the last API error. Releases are never refused (a release is
@@ -198,7 +200,8 @@ class WriteBehind:
         self.failing_since: float | None = None
         self.counts = {"sent": 0, "elided_families": 0, "retries": 0, "failed": 0, "private": 0}
         self.unreported: list[BaseException] = []  # refusals for good that no flush has raised yet
-        self.in_flight = InFlightLimit(concurrency)
+        # Slow start from 1 (congestion.py): a fleet that starts at once does not open at its ceiling.
+        self.in_flight = InFlightLimit(concurrency, initial=1)
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._timers: set[asyncio.TimerHandle] = set()
@@ -447,10 +450,12 @@ class WriteBehind:
         forbidden_since: float | None = None
         while True:
             throttled_before = self.kube.throttled
+            started = time.monotonic()
             try:
                 await self._send(fam, w)
-                # A 429 the kube client waited out (Retry-After) still says the API server is overloaded.
-                self.in_flight.observe(self.kube.throttled > throttled_before)
+                # A 429 the kube client waited out (Retry-After) still says the API server is overloaded, and
+                # a slow answer says its queues fill (congestion.py): both cut the writes in flight.
+                self.in_flight.observe(self.kube.throttled > throttled_before, time.monotonic() - started)
                 self.counts["sent"] += 1
                 self.failing_since = None
                 return SENT
@@ -618,6 +623,7 @@ class WriteBehind:
             "lastError": self.last_error,
             "inFlightLimit": self.in_flight.limit,
             "throttledCuts": self.in_flight.cuts,
+            "slowWrites": self.in_flight.slow_writes,
             **self.counts,
         }
 
