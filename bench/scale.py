@@ -151,6 +151,7 @@ class Phases:
     def __init__(self, h: ScaleHarness) -> None:
         self.h = h
         self.rows: list[tuple[str, float, dict[str, float], str, float | None]] = []
+        self.windows: dict[str, apimetrics.ApiSnapshot] = {}
 
     async def _scrape(self) -> apimetrics.ApiSnapshot | None:
         try:
@@ -169,7 +170,10 @@ class Phases:
             used = self.h.cpu_used(cpu0, self.h.cpu())
             wall = time.monotonic() - t0
             after = await self._scrape()
-            p99 = after.minus(before).mutating_p99() if before and after else None
+            window = after.minus(before) if before and after else None
+            p99 = window.mutating_p99() if window else None
+            if window:
+                self.windows[name] = window
             self.rows.append((name, wall, used, load(), p99))
 
     def mutating_p99_max(self, instead: dict[str, float | None]) -> float | None:
@@ -226,6 +230,12 @@ def print_table(figures: dict, phases: Phases, extra: dict) -> None:
     for name, wall, used, ld, p99 in phases.rows:
         cpu = " | ".join(f"{used.get(n, 0.0):14.1f}" for n in names)
         print(f"{name:>15} | {wall:7.1f} | {cpu} | {fmt(p99):>10} | {ld}")
+    print()
+    print("mutating requests and their p99 by verb and resource, in each phase whose p99 passed 1 s")
+    for name, _, _, _, p99 in phases.rows:
+        if p99 is not None and p99 > 1.0 and name in phases.windows:
+            by = list(phases.windows[name].mutating_p99_by_resource().items())[:10]
+            print(f"{name:>15} | " + ", ".join(f"{r} {n:.0f} p99 {fmt(q)} s" for r, (n, q) in by))
 
 
 async def run(args: argparse.Namespace, handle: ClusterHandle, folder: Path, figures: dict) -> None:

@@ -36,6 +36,8 @@ class ApiSnapshot:
     object_codes: dict[str, float] = field(default_factory=dict)  # object writes (see object_writes) by answer code
     # object writes by "VERB resource code" (code as the API server answered: 201, 409, 429, 504...)
     object_answers: dict[str, float] = field(default_factory=dict)
+    # mutating latency buckets by "VERB resource[/sub]": which writes make a phase's p99
+    buckets_by_resource: dict[str, dict[float, float]] = field(default_factory=dict)
 
     def minus(self, earlier: ApiSnapshot) -> ApiSnapshot:
         return ApiSnapshot(
@@ -43,7 +45,16 @@ class ApiSnapshot:
             {k: n - earlier.requests.get(k, 0.0) for k, n in self.requests.items()},
             {c: n - earlier.object_codes.get(c, 0.0) for c, n in self.object_codes.items()},
             {a: n - earlier.object_answers.get(a, 0.0) for a, n in self.object_answers.items()},
+            {
+                r: {le: n - earlier.buckets_by_resource.get(r, {}).get(le, 0.0) for le, n in b.items()}
+                for r, b in self.buckets_by_resource.items()
+            },
         )
+
+    def mutating_p99_by_resource(self) -> dict[str, tuple[float, float | None]]:
+        """ "VERB resource" -> (requests, their p99), most requests first: whose writes were slow."""
+        out = {r: (b.get(float("inf"), 0.0), quantile(b, 0.99)) for r, b in self.buckets_by_resource.items()}
+        return dict(sorted(((r, v) for r, v in out.items() if v[0] > 0), key=lambda kv: -kv[1][0]))
 
     def object_writes_by_answer(self) -> dict[str, float]:
         """`object_writes` by "VERB resource code", largest first: which answers a write's resends got (a 429
@@ -135,6 +146,7 @@ def parse(text: str) -> ApiSnapshot:
     requests: dict[tuple[str, str, str], float] = defaultdict(float)
     codes: dict[str, float] = defaultdict(float)
     answers: dict[str, float] = defaultdict(float)
+    by_resource: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
     for line in text.splitlines():
         if not line.startswith("apiserver_request_"):
             continue
@@ -154,7 +166,13 @@ def parse(text: str) -> ApiSnapshot:
                 answers[f"{verb} {resource} {labels.get('code', '')}"] += value
         elif verb in MUTATING:
             buckets[float(labels["le"])] += value
-    return ApiSnapshot(dict(buckets), dict(requests), dict(codes), dict(answers))
+            resource = labels.get("resource", "")
+            if labels.get("subresource"):
+                resource = f"{resource}/{labels['subresource']}"
+            by_resource[f"{verb} {resource}"][float(labels["le"])] += value
+    return ApiSnapshot(
+        dict(buckets), dict(requests), dict(codes), dict(answers), {r: dict(b) for r, b in by_resource.items()}
+    )
 
 
 def scrape(handle: ClusterHandle, timeout: float = 30.0) -> ApiSnapshot:

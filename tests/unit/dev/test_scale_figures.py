@@ -191,3 +191,25 @@ def test_a_missed_or_missing_target_fails_the_run() -> None:
         "live_view_list_all_s",
     ]
     assert scale.misses({k: v for k, v in good.items() if k != "wrong_frees"}) == ["wrong_frees"]
+
+
+def test_a_phases_p99_is_broken_down_by_verb_and_resource() -> None:
+    def dur(verb: str, resource: str, le: str, n: float, sub: str = "") -> str:
+        return f'{DURATION}{{resource="{resource}",subresource="{sub}",verb="{verb}",le="{le}"}} {n}'
+
+    snap = apimetrics.parse(
+        "\n".join(
+            [
+                dur("POST", "pods", "0.5", 90),
+                dur("POST", "pods", "5", 100),
+                dur("POST", "pods", "+Inf", 100),
+                dur("PATCH", "gpuobjects", "0.5", 10, sub="status"),
+                dur("PATCH", "gpuobjects", "+Inf", 10, sub="status"),
+                dur("GET", "pods", "+Inf", 1000),  # not a write
+            ]
+        )
+    )
+    by = snap.minus(apimetrics.ApiSnapshot()).mutating_p99_by_resource()
+    assert list(by) == ["POST pods", "PATCH gpuobjects/status"]
+    assert by["POST pods"][0] == 100 and by["POST pods"][1] == pytest.approx(4.55)
+    assert by["PATCH gpuobjects/status"] == (10, pytest.approx(0.495))
