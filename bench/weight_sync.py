@@ -219,10 +219,12 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
             times = readers["rollout-0"].eval(f"raw_read({offer!r}, 10)", timeout=600)
             trainer.run("raw_source_close()")
             out["raw"][size] = {"seconds": times, "gbs": nbytes / median(times) / 1e9}
+            # The trainer's pool keeps the earlier models' buffers: this model's peak is what it adds.
+            pool_base = trainer.eval("client.pack_stats()")["bytes"]
             for count in args.readers:
                 names = list(readers)[:count]
                 try:
-                    row = version_loop(args, trainer, readers, names, incarnations, nbytes)
+                    row = version_loop(args, trainer, readers, names, incarnations, nbytes, pool_base)
                 except Exception as exc:  # report it with what was measured (e.g. a process killed for memory)
                     out["errors"].append(f"{size} x{count}: {type(exc).__name__}: {str(exc)[:300]}")
                     break
@@ -242,7 +244,7 @@ def gpuobj_side(args: argparse.Namespace) -> dict:
         return out
 
 
-def version_loop(args, trainer, readers, names, incarnations, nbytes) -> dict:
+def version_loop(args, trainer, readers, names, incarnations, nbytes, pool_base: int = 0) -> dict:
     """--versions versions to `names`; per version: publish -> every reader verified, fetch time, counts."""
     targets = [[n, incarnations[n]] for n in names]
     totals, fetch_s, regs, steps, verified = [], [], [], [], True
@@ -288,8 +290,8 @@ def version_loop(args, trainer, readers, names, incarnations, nbytes) -> dict:
         "registrations_total": regs[-1][0] - regs[0][0],
         "steps": steps,  # per version: put time, new buffer or reused, wait for a free, fetch times
         "pack_waits": pool["waits"],
-        "trainer_peak_bytes": pool["bytes"],
-        "trainer_peak_versions": pool["bytes"] / nbytes,
+        "trainer_peak_bytes": pool["bytes"] - pool_base,  # this model's pack buffers (the pool never shrinks)
+        "trainer_peak_versions": (pool["bytes"] - pool_base) / nbytes,
         "bytes_verified": verified,
     }
 
