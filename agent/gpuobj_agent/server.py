@@ -342,18 +342,21 @@ class Routes:
 
     async def release_handoff(self, request: web.Request) -> web.Response:
         """A receiver drops a claim the source made for it (client write-behind): the source's
-        queue cancels the claim if it was never recorded, or deletes it in order. 404: this
-        process does not know the claim (restarted, or no client here); delete it in the API."""
+        queue cancels the claim if it was never recorded, or deletes it in order. 404 only when no
+        queue here holds the claim (restarted, closed, or no client here): the receiver then deletes
+        it in the API, so a refusal that is not that (a token naming no pod) must not be a 404."""
         claim = check_claim_name(request.match_info["claim"])
         caller: Caller = request[CALLER]
         if caller.namespace != self.agent.config.namespace:
             # A hand-off is a claim in the source's namespace, made for a pod there.
             raise Forbidden(f"{caller.subject} may not release hand-offs of namespace {self.agent.config.namespace}")
         await _body(request, frozenset())
+        if caller.pod_name is None:
+            raise Forbidden(f"{caller.subject}: a hand-off is released by its holder pod, and this token names none")
         sink = self.agent.handoff_sink
         # Bound to the holder: the sink releases the claim only for the pod it was made for (any other pod
         # gets the same 404 as for an unknown claim, so a claim's name is no capability).
-        if sink is None or caller.pod_name is None or not await sink(claim, caller.pod_name):
+        if sink is None or not await sink(claim, caller.pod_name):
             raise ObjectNotFound(claim)
         return web.json_response(api.HandoffReleaseAnswer().to_json())
 

@@ -37,7 +37,8 @@ from gpuobj.client.shards import Piece
 Grant = dict[str, Any]
 
 # A receiver released hand-off claim `claim` (first argument) for pod `pod` (second): True when the
-# source's queue took it, False when it does not know the claim (the route answers 404).
+# source's queue took it, False when no live queue here holds it (the route answers 404, and only then
+# does the receiver delete the claim itself: gpuobj/client/handoff.py).
 HandoffSink = Callable[[str, str], Coroutine[Any, Any, bool]]
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from gpuobj.client import bodies, errors, reads, state_dicts
+from gpuobj.client import bodies, errors, handoff, reads, state_dicts
 from gpuobj.client.agent_seam import AgentSeam, ReadingAgent, reader_of
 from gpuobj.client.bodies import expiry, short_id
 from gpuobj.client.handles import ObjectAddress, ObjectRef, SharedRef, TensorLayout
@@ -126,6 +126,7 @@ class ClientCore:
         self.live: weakref.WeakSet[ObjectRef] = weakref.WeakSet()  # handles to release at close
         self._read_once: weakref.WeakSet[ObjectRef] = weakref.WeakSet()
         self._pod_uids: dict[tuple[str, str], tuple[str, float]] = {}
+        self._writes_closed = False
         self.sources = SourceReleases(agent, self.token)  # our releases of hand-offs, posted to their sources
         self.packs = PackPool()  # state dicts' pack buffers, reused version after version (state_dicts.py)
         self.wb: WriteBehind | None = None
@@ -485,12 +486,18 @@ class ClientCore:
             return
         ref.release()  # queues it (any thread may release); drain now so an elided free happens before we return
         await self.releases.drain()
+        await self.sources.settle(min(self.timeout / 2, handoff.PATIENCE))  # a hand-off's goes on past this
 
     async def flush(self, timeout: float | None = None) -> None:
-        """Send every queued release and API write now and wait until all have landed."""
+        """Send every queued release and API write now and wait until all have landed (or their sources took them)."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         await self.releases.drain()
+        waiting = await self.sources.settle(timeout)
         if self.wb is not None:
-            await self.wb.flush(self.timeout if timeout is None else timeout)
+            await self.wb.flush(max(deadline - time.monotonic(), 0.0))
+        if waiting and self.sources.in_flight:
+            raise TimeoutError(f"{self.sources.in_flight} hand-off releases wait for their sources after {timeout:g}s")
 
     async def write_stats(self) -> dict[str, Any]:
         return self.wb.stats() if self.wb is not None else {"pending": 0}
@@ -505,16 +512,24 @@ class ClientCore:
     async def _process_release(
         self, kind: str, namespace: str, name: str, uid: str, via: tuple[str, str] | None
     ) -> None:
+        if kind == "claim" and via and via[0] != self.agent.endpoint:
+            # A hand-off: the source's queue made it, so the source deletes it (or cancels its create); we
+            # delete it only once the source says no queue of it holds it (handoff.py).
+            self.sources.start(via, name, lambda: self._delete_claim(namespace, name, uid))
+            return
         if self.wb is None:
             await self._delete(kind, namespace, name, uid)
-            return
-        # A hand-off: the source queued this claim, so the source takes its release (it may never
-        # have been recorded). If the source does not know it (restarted) or is gone, delete it here.
-        if kind == "claim" and via and via[0] != self.agent.endpoint and await self.sources.post(via, name):
             return
         outcome = self.wb.release(kind, namespace, name, uid)
         if outcome.free_object_id is not None:
             await self.free_local(outcome.free_object_id)
+
+    async def _delete_claim(self, namespace: str, name: str, uid: str) -> None:
+        """A hand-off claim its source disowned: deleted as our own release (queued, unless closing)."""
+        if self.wb is None or self._writes_closed:
+            await self._delete("claim", namespace, name, uid)
+        else:
+            self.wb.release("claim", namespace, name, uid)
 
     async def free_local(self, object_id: str) -> None:
         """Free an object of our own agent that nothing recorded (elided, or its record was refused)."""
@@ -522,8 +537,8 @@ class ClientCore:
 
     async def handoff_sink(self, claim: str, pod: str) -> bool:
         """Awaited by the agent on its loop (ours): pod `pod` released a claim we made for it."""
-        if self.wb is None:
-            return False
+        if self.wb is None or self._writes_closed:
+            return False  # no queue of ours will create it any more: the receiver deletes what landed
         found = self.wb.find("claim", self.namespace, claim)
         if found is None or found[1].holder != pod:
             return False  # unknown, or not the receiver's to release: the same answer
@@ -568,9 +583,12 @@ class ClientCore:
     # ------------------------------------------------------------ shutdown
 
     async def close_writes(self) -> None:
+        """The queue stops; from then a receiver's release of a hand-off we made is its own (handoff_sink)."""
         if self.wb is not None:
             await self.wb.close()
+        self._writes_closed = True  # after: no create of ours is being sent when a receiver is told 404
 
     async def close_connections(self) -> None:
-        await self.sources.close()
+        """Our hand-off releases in flight get a bounded moment (a disowned claim is deleted at once)."""
+        await self.sources.close(handoff.CLOSE_WAIT)
         await self.kube.close()

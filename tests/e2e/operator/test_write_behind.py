@@ -83,6 +83,27 @@ def test_a_hand_off_inside_the_window_survives_the_senders_release(
     assert_api_empty(gpuobj_cluster, namespace)
 
 
+def test_only_the_source_deletes_a_hand_off_it_queued_so_a_release_never_runs_ahead_of_its_create(
+    gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
+) -> None:
+    """Issue 32: a receiver that deleted a hand-off's claim in the API itself (here one that writes its own
+    records at once, GPUOBJ_WRITE_BEHIND=0) deleted nothing, since the source's queue still held the claim's
+    create; the create then recorded the claim, which held the bytes until the receiver's process ended.
+    It failed so: after the source's last release and flush the object stayed, Releasing, with the claim.
+    The release goes to the source, whose queue takes the claim back: nothing is ever written."""
+    src = pods.workload("src", LONG_WINDOW)
+    reader = pods.workload("reader", {"GPUOBJ_WRITE_BEHIND": "0"})
+    src.run(f"ref = client.put([{ARANGE.format(n=1 << 16)}], name='queued')")
+    shared = src.eval_pickle("client.share(ref, 'reader')")
+    reader.run(f"h = client.adopt(load_pickle({shared!r})); got = client.fetch(h)[0]")
+    assert reader.eval(f"bool(torch.equal(got, {ARANGE.format(n=1 << 16)}))")
+    reader.run("h.release(); client.flush()")  # inside the source's window: its create is still queued
+    src.run("ref.release(); client.flush()")  # the last reference: the family never leaves the queue
+    assert src.eval("client.write_stats()['elided_families']") == 1
+    agent_http.assert_holds_nothing(pods.endpoint("src"), token_file)
+    assert_api_empty(gpuobj_cluster, namespace)
+
+
 def test_an_api_outage_slows_puts_with_a_clear_error_and_loses_no_write(
     gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file, tmp_path
 ) -> None:

@@ -14,8 +14,9 @@ import torch
 
 from gpuobj.client import errors
 from gpuobj.client.core import ClientCore
-from gpuobj.client.handles import SharedRef
+from gpuobj.client.handles import ObjectAddress, SharedRef
 from gpuobj_kube.client import NotFound
+from tests.unit.client.test_handoff_release import _serve
 
 
 class Agent:
@@ -212,5 +213,86 @@ def test_with_write_behind_an_object_released_inside_the_window_is_never_written
         assert agent.objects == {}  # freed by the core, since nothing recorded it
         assert api.names("gpuobjects") == []
         assert (await core.write_stats())["pending"] == 0
+
+    run(body, write_behind={"window": 30.0})
+
+
+# ---------------------------------------------------------------- hand-off releases (handoff.py)
+# The source is a real HTTP server on localhost answering as a source agent would; the end-to-end run,
+# with the source's queue holding the claim's create, is tests/e2e/operator/test_write_behind.py.
+
+
+def _handed_to(core: ClientCore, source: str) -> SharedRef:
+    """A hand-off made for this core's pod by a source at `source` whose queue holds the claim's create."""
+    address = ObjectAddress("ns", "w", "u9", "obj-9", "other", source, source_pod_uid="")
+    return SharedRef(address, "w-src-abc123", "", core.pod_name, release_via=source)
+
+
+def _with_source(answers: list[int], body, *, write_behind: dict | None = None) -> list[int]:
+    asked: list[list[int]] = []
+
+    async def go(core: ClientCore, agent: Agent, api: Api) -> None:
+        runner, url, answered = await _serve(answers)
+        asked.append(answered)
+        try:
+            await body(core, api, url.split("/")[2])
+        finally:
+            await core.close_connections()
+            await runner.cleanup()
+
+    run(go, write_behind=write_behind)
+    return asked[0]
+
+
+@pytest.mark.parametrize("write_behind", [None, {"window": 30.0}])
+def test_a_receivers_release_of_a_hand_off_goes_to_the_source_and_it_deletes_nothing_itself(write_behind) -> None:
+    """Before (issue 32), a receiver with no write-behind queue of its own deleted the claim in the API at
+    once, before the source's queued create (it failed so: the claim deleted, the source never asked)."""
+
+    async def body(core: ClientCore, api: Api, source: str) -> None:
+        handed = core.adopt(_handed_to(core, source))
+        api.items[("gpuobjectclaims", "w-src-abc123")] = {"metadata": {"name": "w-src-abc123"}}  # as it landed
+        await core.release(handed)
+        await core.flush(5.0)
+        assert ("gpuobjectclaims", "w-src-abc123") in api.items  # the source's queue deletes it, in order
+
+    asked = _with_source([200], body, write_behind=write_behind)
+    assert asked[0] == 200 and len(asked) == 1
+
+
+@pytest.mark.parametrize("write_behind", [None, {"window": 30.0}])
+def test_a_receiver_deletes_a_hand_off_claim_only_once_its_source_disowns_it(write_behind) -> None:
+    async def body(core: ClientCore, api: Api, source: str) -> None:
+        handed = core.adopt(_handed_to(core, source))
+        api.items[("gpuobjectclaims", "w-src-abc123")] = {"metadata": {"name": "w-src-abc123"}}
+        await core.release(handed)
+        await core.flush(5.0)
+        assert ("gpuobjectclaims", "w-src-abc123") not in api.items
+
+    assert _with_source([503, 503, 404], body, write_behind=write_behind) == [503, 503, 404]
+
+
+def test_a_source_that_never_answers_clearly_keeps_the_claim_and_flush_says_so() -> None:
+    async def body(core: ClientCore, api: Api, source: str) -> None:
+        handed = core.adopt(_handed_to(core, source))
+        api.items[("gpuobjectclaims", "w-src-abc123")] = {"metadata": {"name": "w-src-abc123"}}
+        await core.release(handed)
+        with pytest.raises(TimeoutError, match="1 hand-off releases wait for their sources"):
+            await core.flush(0.5)
+        await core.close_connections()  # ends the release still asking: nothing was deleted behind the source
+        assert ("gpuobjectclaims", "w-src-abc123") in api.items and core.sources.in_flight == 0
+
+    assert set(_with_source([503], body, write_behind={"window": 30.0})) == {503}
+
+
+def test_a_source_whose_queue_closed_disowns_its_hand_offs_and_not_before() -> None:
+    """Before, a release that reached a closing source was taken into its stopped queue and never sent."""
+
+    async def body(core: ClientCore, agent: Agent, api: Api) -> None:
+        ref = await core.put([torch.ones(4)], name="w")
+        shared = await core.share(ref, "reader", "pod-uid-r")
+        assert await agent.sink(shared.claim_name, "nobody") is False  # not the holder's: the answer of unknown
+        await core.close_writes()
+        assert await agent.sink(shared.claim_name, "reader") is False  # 404: no queue here will create it
 
     run(body, write_behind={"window": 30.0})
