@@ -114,7 +114,7 @@ TARGETS = {
 }
 
 
-def install_flowcontrol(handle: ClusterHandle, queue_length: int | None = None) -> None:
+def install_flowcontrol(handle: ClusterHandle, queue_length: int | None = None, shares: int | None = None) -> None:
     """The API Priority and Fairness objects a chart install ships (deploy/flowcontrol.yaml, the chart's
     rendering), with the operator's subject made the bench's ServiceAccount: the fleet's gpuobj.io
     writes land in the workloads' priority level, queued by namespace, as in a real install."""
@@ -133,6 +133,8 @@ def install_flowcontrol(handle: ClusterHandle, queue_length: int | None = None) 
             and doc["metadata"]["name"].endswith("-workloads")
         ):
             queuing["queueLengthLimit"] = queue_length
+        if shares and doc["kind"] == "PriorityLevelConfiguration" and doc["metadata"]["name"].endswith("-workloads"):
+            doc["spec"]["limited"]["nominalConcurrencyShares"] = shares
     handle.kubectl("apply", "-f", "-", input="\n---\n".join(json.dumps(d) for d in docs))
 
 
@@ -405,6 +407,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the workloads' priority level's queueLengthLimit instead of deploy/flowcontrol.yaml's (to compare)",
     )
     p.add_argument(
+        "--apf-workload-shares",
+        type=int,
+        help="the workloads' priority level's nominalConcurrencyShares instead of deploy/flowcontrol.yaml's",
+    )
+    p.add_argument(
         "--no-flowcontrol",
         action="store_true",
         help="leave out the chart's APF objects (deploy/flowcontrol.yaml): the fleet in the cluster's own levels",
@@ -426,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         handle = ClusterHandle(cluster, cluster.up())
         handle.apply_crds()
         if not args.no_flowcontrol:
-            install_flowcontrol(handle, args.apf_queue_length)
+            install_flowcontrol(handle, args.apf_queue_length, args.apf_workload_shares)
         asyncio.run(run(args, handle, folder, figures))
     except KeyboardInterrupt:
         log("interrupted: tearing everything down")
