@@ -69,6 +69,9 @@ PREPARED_IDLE = 30.0
 # Source agents connected to ahead (a pooled version's announced spare, `_preconnect`) and not read from yet:
 # at most this many are kept; the oldest is forgotten when another comes.
 ANNOUNCED_KEPT = 4
+# After connecting ahead, the reader's worker is progressed this long on the transfer thread, so UCX's wireup
+# completes before the version's first READ rather than during it (nixl_transport.NixlAgent.progress_for).
+WIREUP_PROGRESS = 0.02
 
 
 # A sharded read (gpuobj.client.shards): per output tensor, (index of the stored tensor, output
@@ -680,6 +683,8 @@ class Fetcher:
             if loaded != name:
                 raise TransportError(f"the announced metadata is agent {loaded}'s, not {name}'s")
             self.reader.connect(name)
+            # Finish the wireup now: the reader has no progress thread, so otherwise its next READ does.
+            self.reader.progress_for(WIREUP_PROGRESS)
             with self._direct_lock:
                 self.connected_ahead += 1
         except (TransportError, ValueError) as exc:  # the first read connects, as without an announcement

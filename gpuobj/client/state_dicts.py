@@ -28,7 +28,9 @@ agent calls are the caller's (core.py).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -73,8 +75,70 @@ def _extent(t: Any) -> tuple[int, int]:
     return start, start + (last + 1) * t.element_size()
 
 
+# A state dict's layout key: per entry (name, data pointer, storage offset, shape, stride, dtype, device), every
+# input `_plan` reads (the storage's pointer is the data pointer less the offset).
+PlanKey = tuple[tuple[Any, ...], ...]
+PLANS_KEPT = 8  # layouts remembered (a trainer publishes one or a few state dicts, version after version)
+
+
+@dataclass(frozen=True)
+class _Laid:
+    """A plan without its tensors: what a cached layout keeps (holding no tensor, it keeps no memory alive)."""
+
+    entries: Entries
+    firsts: tuple[int, ...]  # per stored tensor, the position (in the mapping's order) of a name for it
+    offsets: tuple[int, ...]
+    nbytes: int
+    device: str
+    signature: Signature
+
+
+_plans: OrderedDict[PlanKey, _Laid] = OrderedDict()
+_plans_lock = threading.Lock()  # plan() is called on the client's loop and, by tools, from other threads
+
+
 def plan(state_dict: Mapping[Any, Any]) -> PackPlan:
-    """Check a state dict and lay it out; InvalidTensorError says what is wrong and what to do."""
+    """Check a state dict and lay it out; InvalidTensorError says what is wrong and what to do.
+
+    Why a cache: checking and laying out took 11-14 ms for 2,000 tensors (46 ms under load), every version,
+    for the same layout. A trainer's `state_dict()` is new tensor objects each call over the same storage,
+    so the key is what the layout is computed from (`PlanKey`, ~1 us a tensor): an equal key, the layout
+    computed before, with this call's tensors as the sources."""
+    import torch
+
+    items = list(state_dict.items())
+    key: PlanKey | None = None
+    if items and all(isinstance(t, torch.Tensor) for _, t in items):
+        try:
+            key = tuple((n, t.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t.device) for n, t in items)
+        except (RuntimeError, TypeError):  # a tensor without plain storage (sparse, meta): `_plan` says why
+            return _plan(state_dict)
+        with _plans_lock:
+            laid = _plans.get(key)
+            if laid is not None:
+                _plans.move_to_end(key)
+        if laid is not None:
+            return PackPlan(
+                laid.entries,
+                tuple(items[i][1] for i in laid.firsts),
+                laid.offsets,
+                laid.nbytes,
+                laid.device,
+                laid.signature,
+            )
+    p = _plan(state_dict)
+    if key is not None:
+        position = {id(t): i for i, (_, t) in reversed(list(enumerate(items)))}
+        laid = _Laid(p.entries, tuple(position[id(t)] for t in p.sources), p.offsets, p.nbytes, p.device, p.signature)
+        with _plans_lock:
+            _plans[key] = laid
+            while len(_plans) > PLANS_KEPT:
+                _plans.popitem(last=False)
+    return p
+
+
+def _plan(state_dict: Mapping[Any, Any]) -> PackPlan:
+    """`plan` without the cache."""
     import torch
 
     from gpuobj_agent.layouts import layout_of
