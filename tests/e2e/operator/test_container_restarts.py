@@ -41,6 +41,24 @@ def _stamp(t: dt.datetime) -> str:
     return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _restarted(count: int, earlier: str, born: dt.datetime, ended: dt.datetime, new_id: str | None = None) -> dict:
+    """The container status after a restart: run `count` (new_id, started at `ended`) replaced `earlier`,
+    which ran from `born` to `ended` and exited 1."""
+    return {
+        "restartCount": count,
+        "containerID": new_id or f"containerd://{uuid.uuid4().hex}",
+        "state": {"running": {"startedAt": _stamp(ended)}},
+        "lastState": {
+            "terminated": {
+                "containerID": earlier,
+                "exitCode": 1,
+                "startedAt": _stamp(born),
+                "finishedAt": _stamp(ended),
+            }
+        },
+    }
+
+
 def _report(cluster: ClusterHandle, namespace: str, pod: str, container: dict) -> None:
     """What the kubelet writes: the agent container's status, the pod Running at its address."""
 
@@ -81,19 +99,7 @@ def test_a_share_to_a_receiver_that_restarts_before_it_ever_listens_is_dropped_a
         gpuobj_cluster,
         namespace,
         "reader",
-        {
-            "restartCount": 1,
-            "containerID": f"containerd://{uuid.uuid4().hex}",
-            "state": {"running": {"startedAt": _stamp(ended)}},
-            "lastState": {
-                "terminated": {
-                    "containerID": first,
-                    "exitCode": 1,
-                    "startedAt": _stamp(born),
-                    "finishedAt": _stamp(ended),
-                }
-            },
-        },
+        _restarted(1, first, born, ended),
     )
     wait_object(gpuobj_cluster, namespace, "kv", lambda o: o is None, timeout=30)
     [event] = _events(gpuobj_cluster, namespace, "HolderGone")
@@ -207,19 +213,7 @@ def test_a_share_made_in_the_new_runs_first_seconds_stays_with_the_new_process(
         gpuobj_cluster,
         namespace,
         "reader",
-        {
-            "restartCount": 1,
-            "containerID": second_run,
-            "state": {"running": {"startedAt": _stamp(made)}},
-            "lastState": {
-                "terminated": {
-                    "containerID": first,
-                    "exitCode": 1,
-                    "startedAt": _stamp(born),
-                    "finishedAt": _stamp(made),
-                }
-            },
-        },
+        _restarted(1, first, born, made, second_run),
     )
     reader.run(f"h = client.adopt(load_pickle({shared!r})); got = client.fetch(h)[0]")
     assert reader.eval("float(got.sum())") == float(1 << 12)
@@ -230,19 +224,7 @@ def test_a_share_made_in_the_new_runs_first_seconds_stays_with_the_new_process(
         gpuobj_cluster,
         namespace,
         "reader",
-        {
-            "restartCount": 2,
-            "containerID": f"containerd://{uuid.uuid4().hex}",
-            "state": {"running": {"startedAt": _stamp(replaced)}},
-            "lastState": {
-                "terminated": {
-                    "containerID": second_run,
-                    "exitCode": 1,
-                    "startedAt": _stamp(made),
-                    "finishedAt": _stamp(replaced),
-                }
-            },
-        },
+        _restarted(2, second_run, made, replaced),
     )
     wait_object(gpuobj_cluster, namespace, "kv", lambda o: o is None, timeout=30)
     [event] = _events(gpuobj_cluster, namespace, "HolderGone")
