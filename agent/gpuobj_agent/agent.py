@@ -15,7 +15,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -113,8 +113,6 @@ class Agent:
         self._kube: KubeClient | None = None
         self.port: int | None = None
         self._stopped = False
-        # Set by an embedded client: takes a receiver's release of a claim this process made for it.
-        self.handoff_sink: Callable[[str, str], Awaitable[bool]] | None = None  # (claim, releasing pod)
 
     def _new_nixl_agent(self, name: str) -> NixlAgent:
         return NixlAgent(name, progress_thread=True, progress_delay_us=self.config.progress_delay_us)

@@ -393,14 +393,6 @@ class AgentRuntime:
         assert fetcher is not None
         return fetcher.fetch_granted_direct(endpoint, object_id, grant, device=device, timeout=timeout)
 
-    def set_handoff_sink(self, sink: Callable[[str, str], Coroutine[Any, Any, bool]] | None) -> None:
-        """Route receivers' releases of hand-off claims to `sink`: a coroutine function the agent awaits on
-        its own loop, where the embedding client's core runs too."""
-        if sink is None:
-            self.agent.handoff_sink = None
-            return
-        self.agent.handoff_sink = sink
-
     def inventory(self) -> dict[str, Any]:
         return self._call(self._inventory(), 30)
 

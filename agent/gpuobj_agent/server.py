@@ -23,12 +23,12 @@ from aiohttp import web
 
 from gpuobj_agent.auth import Caller, Forbidden
 from gpuobj_agent.config import AgentConfig
-from gpuobj_agent.errors import AgentError, BadRequest, Conflict, NotReady, ObjectNotFound, Unauthorized
+from gpuobj_agent.errors import AgentError, BadRequest, Conflict, NotReady, Unauthorized
 from gpuobj_agent.layouts import TensorLayout
 from gpuobj_agent.metrics import AgentMetrics
 from gpuobj_agent.objects import check_id, check_stream
 from gpuobj_contract import agent_api as api
-from gpuobj_contract import agent_tls, names, patterns
+from gpuobj_contract import agent_tls, names
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +105,6 @@ class Served(Protocol):
     @property
     def reads(self) -> Reading: ...  # the store's read side
 
-    @property
-    def handoff_sink(self) -> Callable[[str, str], Awaitable[bool]] | None: ...  # (claim, releasing pod)
-
     def info(self) -> api.AgentInfo: ...
 
     def inventory(self) -> api.Inventory: ...
@@ -165,14 +162,16 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Check the caller on /v1/, and turn every failure into a JSON answer; only our bugs are a 500.
 
     One middleware, not two: each layer costs a coroutine per request on the ticket path. A route
-    not listed as a read route is an operator route: a new route is closed until someone opens it.
+    not listed as a read route is an operator route: a new route is closed until someone opens it. A
+    path that matches no route here is a 404 (405) to anyone: it serves and changes nothing, and a
+    receiver's hand-off release must read this agent's 404 when no embedding client added that route.
     """
     agent: Served = request.app[AGENT_KEY]  # type: ignore[assignment]
     try:
-        if request.path.startswith(api.PROTECTED_PREFIX):
-            route = request.match_info.route
+        route = request.match_info.route
+        if request.path.startswith(api.PROTECTED_PREFIX) and route.resource is not None:
             method = "GET" if request.method == "HEAD" else request.method
-            role = request.app[ROLES_KEY].get((method, route.resource.canonical if route.resource else ""), OPERATOR)
+            role = request.app[ROLES_KEY].get((method, route.resource.canonical), OPERATOR)
             _check_meant_for_this_pod(agent, role, request.headers.get(names.HEADER_POD_UID))
             header = request.headers.get("Authorization")
             auth = agent.tokens
@@ -340,45 +339,51 @@ class Routes:
         answer = await self.store.free(object_id, reason=req.reason, wait_fence=req.wait_fence)
         return web.json_response(answer.to_json())
 
-    async def release_handoff(self, request: web.Request) -> web.Response:
-        """A receiver drops a claim the source made for it (client write-behind): the source's
-        queue cancels the claim if it was never recorded, or deletes it in order. 404 only when no
-        queue here holds the claim (restarted, closed, or no client here): the receiver then deletes
-        it in the API, so a refusal that is not that (a token naming no pod) must not be a 404."""
-        claim = check_claim_name(request.match_info["claim"])
-        caller: Caller = request[CALLER]
-        if caller.namespace != self.agent.config.namespace:
-            # A hand-off is a claim in the source's namespace, made for a pod there.
-            raise Forbidden(f"{caller.subject} may not release hand-offs of namespace {self.agent.config.namespace}")
-        await _body(request, frozenset())
-        if caller.pod_name is None:
-            raise Forbidden(f"{caller.subject}: a hand-off is released by its holder pod, and this token names none")
-        sink = self.agent.handoff_sink
-        # Bound to the holder: the sink releases the claim only for the pod it was made for (any other pod
-        # gets the same 404 as for an unknown claim, so a claim's name is no capability).
-        if sink is None or not await sink(claim, caller.pod_name):
-            raise ObjectNotFound(claim)
-        return web.json_response(api.HandoffReleaseAnswer().to_json())
-
     async def free_stream(self, request: web.Request) -> web.Response:
         stream = check_stream(request.match_info["stream"])
         await _body(request, frozenset({"reason"}))
         return web.json_response((await self.store.free_stream(stream)).to_json())
 
 
-def check_claim_name(claim: object) -> str:
-    """A hand-off claim's name, checked as the object name the client builds (not as an object id: a
-    refused name sent the receiver to its fallback delete, which could race the source's queued create)."""
-    if not patterns.CLAIM_NAME.matches(claim):
-        raise BadRequest(f"claim name {claim!r} is not valid: a Kubernetes object name (DNS-1123 subdomain)")
-    return str(claim)
+@dataclasses.dataclass(frozen=True)
+class ReaderCall:
+    """What an extra read route (an embedding client's, e.g. its hand-off release) is given: the caller the
+    guard verified as for begin/end read, and the agent it asks. Its errors are the agent's (AgentError,
+    auth.Forbidden): the guard answers them as every route's, so the route copies none of that."""
+
+    caller: Caller
+    namespace: str  # the agent's pod namespace
+    incarnation: str  # the agent process
+    params: dict[str, str]  # the path's parameters
+    _request: web.Request
+
+    async def fields(self, allowed: frozenset[str]) -> dict[str, Any]:
+        """The JSON object body, fields of ``allowed`` only (400 otherwise)."""
+        return await _body(self._request, allowed)
+
+
+ReaderRoute = Callable[[ReaderCall], Awaitable[dict[str, Any]]]  # the 200 answer's JSON
+
+
+def add_reader_route(app: web.Application, route: api.Route, answer: ReaderRoute) -> None:
+    """Open an extra route to readers (called from `extra`, see build_app): the caller's pod-bound token and
+    channel are checked as for the read routes, then ``answer`` is awaited; the agent knows nothing else of it."""
+    app[ROLES_KEY][(route.method, route.template)] = READER
+    agent: Served = app[AGENT_KEY]  # type: ignore[assignment]
+
+    async def handle(request: web.Request) -> web.Response:
+        call = ReaderCall(request[CALLER], agent.config.namespace, agent.incarnation, dict(request.match_info), request)
+        return web.json_response(await answer(call))
+
+    app.router.add_route(route.method, route.template, handle)
 
 
 def build_app(agent: Served, extra: Callable[[web.Application], None] | None = None) -> web.Application:
-    """The aiohttp application; `extra` may add routes (the test workload does)."""
+    """The aiohttp application; `extra` may add routes (an embedding client's hand-off release, through
+    add_reader_route; the test workload's)."""
     app = web.Application(middlewares=[_guard], client_max_size=MAX_BODY)
     app[AGENT_KEY] = agent
-    app[ROLES_KEY] = {(r.method, r.template): READER for r in (api.BEGIN_READ, api.END_READ, api.RELEASE_HANDOFF)}
+    app[ROLES_KEY] = {(r.method, r.template): READER for r in (api.BEGIN_READ, api.END_READ)}
     r = Routes(agent)
     for route, handler in (
         (api.HEALTHZ, r.healthz),
@@ -392,7 +397,6 @@ def build_app(agent: Served, extra: Callable[[web.Application], None] | None = N
         (api.END_READ, r.end_read),
         (api.FREE, r.free),
         (api.FREE_STREAM, r.free_stream),
-        (api.RELEASE_HANDOFF, r.release_handoff),
     ):
         app.router.add_route(route.method, route.template, handler)
     if extra is not None:

@@ -9,7 +9,8 @@ where one is passed as an `AgentSeam` (the embedded `gpuobj_agent.runtime.AgentR
 Two levels, and the core asks which one it has once, at construction (`reader_of`), never per call:
 
 - `AgentSeam`: every agent a core runs on stores, frees and grants this pod's objects, serves the
-  write-behind's bookkeeping (record pending, private) and takes receivers' hand-off releases.
+  write-behind's bookkeeping (record pending, private). Receivers' hand-off releases are the client's
+  own route (gpuobj/client/handoff_route.py), added where the agent is built; nothing of the seam.
 - `ReadingAgent`: an agent that also reads other agents' objects (fetch, granted and direct reads),
   takes published tensors and pools memory (a put with ``on_release``). The embedded runtime is one;
   the scale fleet's agents are not (they hold bytes nobody reads). Only methods, so that the
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -35,11 +36,6 @@ from gpuobj.client.shards import Piece
 # A read grant as the source agent writes it (gpuobj_contract.agent_api.ReadTicket's JSON, with
 # `generation`): it travels inside a SharedRef to the receiver, so it stays the wire form.
 Grant = dict[str, Any]
-
-# A receiver released hand-off claim `claim` (first argument) for pod `pod` (second): True when the
-# source's queue took it, False when no live queue here holds it (the route answers 404, and only then
-# does the receiver delete the claim itself: gpuobj/client/handoff.py).
-HandoffSink = Callable[[str, str], Coroutine[Any, Any, bool]]
 
 
 class AgentSeam(Protocol):
@@ -92,11 +88,6 @@ class AgentSeam(Protocol):
     def set_private(self, object_id: str, private: bool) -> None:
         """The write-behind's word: the object is private, held and never recorded (docs/design.md; on the
         agent's loop)."""
-        ...
-
-    def set_handoff_sink(self, sink: HandoffSink | None) -> None:
-        """Route receivers' releases of hand-off claims to `sink` (the core's queue owns them); the agent
-        awaits it on its loop, which is the core's."""
         ...
 
 

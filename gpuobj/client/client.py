@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpuobj.client import errors
+from gpuobj.client import errors, handoff_route
 from gpuobj.client.agent_seam import AgentSeam, loop_of
 from gpuobj.client.core import ClientCore, describe_ref
 from gpuobj.client.handles import ObjectAddress, ObjectRef, SharedRef
@@ -244,7 +244,13 @@ class Client:
         from gpuobj_agent.runtime import AgentRuntime
 
         agent = AgentRuntime(
-            pod_name=pod_name, namespace=namespace, pod_uid=pod_uid, host=host, port=port, token_file=str(token_file)
+            pod_name=pod_name,
+            namespace=namespace,
+            pod_uid=pod_uid,
+            host=host,
+            port=port,
+            token_file=str(token_file),
+            extra_routes=handoff_route.register,  # receivers' hand-off releases are this client's route
         )
         try:
             agent.start()
@@ -451,9 +457,9 @@ class Client:
                         self.agent.stop()
 
     async def _end_tasks(self) -> None:
-        """On the loop: the agent no longer routes hand-off releases here, and the core's tasks end."""
+        """On the loop: hand-off releases at the agent no longer come here, and the core's tasks end."""
         if self.core.wb is not None:
-            self.core.agent.set_handoff_sink(None)
+            handoff_route.unbind(self.core.agent.incarnation, self.core.handoff_sink)
         await cancel_tasks(self._tasks, timeout=5)
 
     def __enter__(self) -> Client:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from gpuobj.client import bodies, errors, handoff, reads, state_dicts
+from gpuobj.client import bodies, errors, handoff, handoff_route, reads, state_dicts
 from gpuobj.client.agent_seam import AgentSeam, ReadingAgent, reader_of
 from gpuobj.client.bodies import expiry, short_id
 from gpuobj.client.handles import ObjectAddress, ObjectRef, SharedRef, TensorLayout
@@ -108,9 +108,8 @@ class ClientCore:
         timeout: float,
         write_behind: dict[str, Any] | None,
     ) -> None:
-        """``write_behind``: WriteBehind's options (record, window, max_pending, backpressure_timeout), or
-        None to write every record and release on the caller's path. With it, the agent's hand-off
-        releases come to this core (`handoff_sink`)."""
+        """``write_behind``: WriteBehind's options (record, window, max_pending, backpressure_timeout), or None
+        to write every record and release on the caller's path. With it, hand-off releases come here (handoff_route)."""
         self.pod_name = pod_name
         self.namespace = namespace
         self.pod_uid = pod_uid
@@ -143,7 +142,7 @@ class ClientCore:
                 on_private=agent.set_private if record == "shared" else None,
                 **options,
             )
-            agent.set_handoff_sink(self.handoff_sink)
+            handoff_route.bind(agent.incarnation, self.handoff_sink)
 
     @classmethod
     async def create(cls, kube_config: KubeConfig, *, agent: AgentSeam, **kwargs: Any) -> ClientCore:
@@ -536,7 +535,7 @@ class ClientCore:
         await self.agent.afree(object_id)
 
     async def handoff_sink(self, claim: str, pod: str) -> bool:
-        """Awaited by the agent on its loop (ours): pod `pod` released a claim we made for it."""
+        """Awaited by the hand-off route on the agent's loop (ours): pod `pod` released a claim we made for it."""
         if self.wb is None or self._writes_closed:
             return False  # no queue of ours will create it any more: the receiver deletes what landed
         found = self.wb.find("claim", self.namespace, claim)
@@ -586,6 +585,7 @@ class ClientCore:
         """The queue stops; from then a receiver's release of a hand-off we made is its own (handoff_sink)."""
         if self.wb is not None:
             await self.wb.close()
+            handoff_route.unbind(self.agent.incarnation, self.handoff_sink)  # after: as below
         self._writes_closed = True  # after: no create of ours is being sent when a receiver is told 404
 
     async def close_connections(self) -> None:

@@ -286,7 +286,6 @@ class Fleet:
                 "backpressure_timeout": 120.0,
             },
         )
-        agent.set_handoff_sink(core.handoff_sink)
         pod.agent, pod.core = agent, core
         pod.release_task = asyncio.create_task(core.releases.run(), name=f"releases-{pod.name}")
 

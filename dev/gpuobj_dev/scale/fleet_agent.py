@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from aiohttp import web
 
+from gpuobj.client import handoff_route
 from gpuobj_agent.auth import IssuerKeys, ServiceAccountAuth
 from gpuobj_agent.config import AgentConfig
 from gpuobj_agent.fencing import Fencer
@@ -36,7 +37,7 @@ from gpuobj_agent.store import ObjectStore
 from gpuobj_contract import agent_api as api
 
 if TYPE_CHECKING:
-    from gpuobj.client.agent_seam import AgentSeam, HandoffSink
+    from gpuobj.client.agent_seam import AgentSeam
 
 
 class UnregisteredTransport:
@@ -110,7 +111,6 @@ class FleetAgent:
         self.fencer = Fencer(
             self.store, self.nixl, config, self.metrics, lifecycle=lifecycle, agent_factory=UnregisteredTransport
         )
-        self.handoff_sink: HandoffSink | None = None
         self._on_info = on_info
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
@@ -124,7 +124,9 @@ class FleetAgent:
         """Serve at the pod's address; a failed start (say, the address is taken) stops what it began."""
         await self.fencer.start()
         self.reads.start_pump()
-        self._runner = web.AppRunner(build_app(self), access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        self._runner = web.AppRunner(
+            build_app(self, handoff_route.register), access_log=None, handle_signals=False, shutdown_timeout=1.0
+        )
         try:
             await self._runner.setup()
             site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True, backlog=512)
@@ -187,9 +189,6 @@ class FleetAgent:
         """The recording policy "shared" (docs/design.md): a held, unrecorded object is marked private in the
         inventory, so the audit neither counts nor reclaims it. Without this member the client records all."""
         self.store.set_private(object_id, private)
-
-    def set_handoff_sink(self, sink: HandoffSink | None) -> None:
-        self.handoff_sink = sink
 
     def held_bytes(self) -> dict[str, int]:
         return {oid: obj.nbytes for oid, obj in self.store.objects.items()}

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from gpuobj import Client
+from gpuobj.client import handoff_route
 from gpuobj_agent import config as agent_config
 from gpuobj_kube.config import KubeConfig
 
@@ -103,7 +104,7 @@ def test_a_connected_client_runs_its_core_on_the_agent_loop_and_the_process_runs
 def test_close_ends_the_core_tasks_on_a_shared_agent_and_leaves_the_agent_serving(make_runtime) -> None:
     """A client on an agent it does not own: close cancels the core's tasks on the agent's loop, unhooks the
     hand-off releases, and the agent goes on serving (and stops balanced at teardown)."""
-    rt = make_runtime("shared", pod_uid="shared-uid")
+    rt = make_runtime("shared", pod_uid="shared-uid", extra_routes=handoff_route.register)
     client = Client(
         pod_name="shared",
         namespace="default",
@@ -118,8 +119,8 @@ def test_close_ends_the_core_tasks_on_a_shared_agent_and_leaves_the_agent_servin
     loop = rt.event_loop()
     assert client.core.loop is loop and running_loops() == [loop]
     ref = client.put([torch.ones(1024)])
-    assert rt.agent.handoff_sink is not None and "gpuobj-releases" in task_names(loop)
+    assert handoff_route.bound(rt.incarnation) and "gpuobj-releases" in task_names(loop)
     client.release(ref)
     client.close()
-    assert "gpuobj-releases" not in task_names(loop) and rt.agent.handoff_sink is None
+    assert "gpuobj-releases" not in task_names(loop) and not handoff_route.bound(rt.incarnation)
     settle(rt.stats)

@@ -30,7 +30,6 @@ class Agent:
         self.objects: dict[str, list] = {}
         self.fetched: list[str] = []
         self.private: set[str] = set()
-        self.sink = None
 
     def client_tls(self) -> None:
         return None
@@ -62,9 +61,6 @@ class Agent:
 
     def set_private(self, object_id: str, private: bool) -> None:
         (self.private.add if private else self.private.discard)(object_id)
-
-    def set_handoff_sink(self, sink) -> None:
-        self.sink = sink
 
 
 class Api:
@@ -291,8 +287,8 @@ def test_a_source_whose_queue_closed_disowns_its_hand_offs_and_not_before() -> N
     async def body(core: ClientCore, agent: Agent, api: Api) -> None:
         ref = await core.put([torch.ones(4)], name="w")
         shared = await core.share(ref, "reader", "pod-uid-r")
-        assert await agent.sink(shared.claim_name, "nobody") is False  # not the holder's: the answer of unknown
+        assert await core.handoff_sink(shared.claim_name, "nobody") is False  # not the holder's: the answer of unknown
         await core.close_writes()
-        assert await agent.sink(shared.claim_name, "reader") is False  # 404: no queue here will create it
+        assert await core.handoff_sink(shared.claim_name, "reader") is False  # 404: no queue here will create it
 
     run(body, write_behind={"window": 30.0})

@@ -1,13 +1,13 @@
-"""The release route checks a hand-off claim's name as the object name the client builds (issue 32): a name
-the client made must never be refused (a refusal sent the receiver to a fallback delete that could race the
-source's queued create)."""
+"""The client's release route (handoff_route.py) checks a hand-off claim's name as the object name the
+client builds (issue 32): a name the client made must never be refused (a refusal sent the receiver to a
+fallback delete that could race the source's queued create)."""
 
 from __future__ import annotations
 
 import pytest
 
+from gpuobj.client.handoff_route import check_claim_name
 from gpuobj_agent.errors import BadRequest
-from gpuobj_agent.server import check_claim_name
 
 
 def test_the_longest_name_the_client_builds_is_accepted() -> None:
