@@ -57,6 +57,10 @@ that puts pooled regions (state dicts) also keeps PRIVATE_SPARES private agents 
 announced to readers before a region is registered in it (reads.py, docs/weight-sync.md). A
 rotation costs 20-60 ms of CPU on a background thread.
 
+Who writes what: this module decides when to rotate, which objects move and when a sealed agent
+goes; the registrations, deregistrations and moves themselves are nixl_state.py's placement verbs
+(`move`, `release_moved`, `deregister_parked`), the one writer of where an object is registered.
+
 Limits (measured or unmeasurable here):
 - cma, and a raw reader with no NIXL progress thread: its worker learns of the fence only
   when it progresses, so if its first action after the fence is a new READ, that one READ
@@ -85,8 +89,6 @@ from gpuobj_agent.generations import LANES, TENURED, YOUNG, Generation
 from gpuobj_agent.metrics import AgentMetrics
 from gpuobj_agent.nixl_state import NixlState
 from gpuobj_agent.nixl_transport import NixlAgent
-from gpuobj_agent.objects import StoredObject
-from gpuobj_agent.registrations import RegionKey, RegionReused
 from gpuobj_agent.store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -193,10 +195,8 @@ class Fencer:
         self._spare = None
         self._private_spares.clear()
         await self.nixl.barrier()  # nothing of ours still runs on the control thread
-        for gen in gens:
-            parked = self.nixl.ledger.parked(gen.gid) if gen.gid in self.nixl.ledger.generations() else []
-            if parked:
-                await self.nixl.deregister(gen.gid, parked)
+        for gen in gens:  # nothing else runs now: no lock needed
+            await self.nixl.deregister_parked(gen.gid)
         for gen in gens:
             await self._destroy(gen)
         for entry in self.nixl.quarantine.drain():
@@ -388,17 +388,11 @@ class Fencer:
         done = [oid for oid in gen.migrated if oid not in reading]
         if done:
             async with nixl.lock:
-                keys = []
-                for oid in done:
-                    keys.extend(nixl.ledger.release(gen.gid, oid).deregister)
-                    gen.migrated.discard(oid)
-                if keys:
-                    await nixl.deregister(gen.gid, keys)
+                gen.migrated.difference_update(done)
+                await nixl.release_moved(gen.gid, done)
         if not nixl.members.get(gen.gid) and not tickets.inflight(gid=gen.gid):
             async with nixl.lock:  # freed regions parked here until the fence (registrations.py)
-                parked = nixl.ledger.parked(gen.gid)
-                if parked:
-                    await nixl.deregister(gen.gid, parked)
+                await nixl.deregister_parked(gen.gid)
         if nixl.members.get(gen.gid) or nixl.ledger.count(gen.gid) or tickets.inflight(gid=gen.gid):
             return
         async with nixl.lock:
@@ -432,44 +426,14 @@ class Fencer:
             await asyncio.sleep(0)  # let frees, puts and tickets in between chunks
 
     async def _migrate_chunk(self, gen: Generation, target: Generation, members: set[str]) -> int:
-        store, nixl = self.store, self.nixl
+        """Ask the placement (nixl_state.py) to move the next chunk of live objects; return how many moved."""
+        objects, nixl = self.store.objects, self.nixl
         async with nixl.lock:
             if nixl.gens.active_in(TENURED) is not target:
                 return 0
-            batch: list[StoredObject] = []
-            new_keys: list[RegionKey] = []
-            for oid in list(members):
-                if len(batch) >= MIGRATION_CHUNK:
-                    break
-                obj = store.objects[oid]
-                if obj.freeing is not None:
-                    continue  # its free will release it here
-                try:
-                    new_keys.extend(nixl.ledger.acquire(target.gid, obj.keys, oid))
-                except RegionReused:
-                    continue  # that region must wait for a newer tenured agent
-                batch.append(obj)
-            if not batch:
-                return 0
-            try:
-                if new_keys:
-                    await nixl.control(target.agent.register, new_keys)
-            except Exception as exc:
-                fresh = set(new_keys)
-                for obj in batch:
-                    mine = [k for k in obj.keys if k in fresh]
-                    fresh.difference_update(mine)
-                    nixl.ledger.rollback(target.gid, mine, obj.object_id)
-                log.error("moving %d objects to %s failed: %s", len(batch), target.name, exc)
-                self.metrics.error("nixl_register")
-                return 0
-            self.metrics.registrations.labels(op="register").inc(len(new_keys))
-            self.metrics.migrations.inc(len(batch))
-            into = nixl.members.setdefault(target.gid, set())
-            for obj in batch:
-                obj.gid = target.gid
-                obj.description = None  # described lazily, on its next read
-                members.discard(obj.object_id)
-                into.add(obj.object_id)
-                gen.migrated.add(obj.object_id)
-            return len(batch)
+            # An object being freed stays: its free releases it here.
+            candidates = (objects[oid] for oid in list(members) if objects[oid].freeing is None)
+            moved = await nixl.move(target, candidates, MIGRATION_CHUNK)
+            self.metrics.migrations.inc(len(moved))
+            gen.migrated.update(obj.object_id for obj in moved)
+            return len(moved)

@@ -1,7 +1,8 @@
 """One held object's record, its NIXL description, and the checks of the names it goes by.
 
 Why apart from the store: three parts touch these records. The store writes them (put, free), the read
-side (reads.py) reads them to issue tickets and grants, and the fencer moves them between NIXL agents.
+side (reads.py) reads them to issue tickets and grants, and the fencer has them moved between NIXL agents
+(by nixl_state.py, the one writer of placement).
 With the record here, reads.py and fencing.py depend on it and not on the store's internals, and the
 store owns its read side without an import cycle.
 """

@@ -7,7 +7,8 @@ and a pooled region is refilled right after its free; so each region lives in a 
 free destroys at once when a reader saw the key, and a version no reader saw leaves its region parked
 there, registered, for the next version (docs/weight-sync.md). This module holds that rule and the
 background registrations it starts; the store keeps the objects and hands each pooled put here.
-It reads the store's records and records through the store (`Records`), never on its own.
+It reads the store's records and records through the store (`Records`), never on its own; its NIXL
+registrations and parked regions are written by nixl_state.py (the one writer of placement).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from gpuobj_agent.errors import Conflict, NotReady, TransportError
 from gpuobj_agent.generations import Generation
 from gpuobj_agent.metrics import AgentMetrics
 from gpuobj_agent.nixl_state import NixlState
-from gpuobj_agent.objects import Description, NewObject, StoredObject, describe_in, register_in
+from gpuobj_agent.objects import Description, NewObject, StoredObject
 from gpuobj_agent.registrations import RegionKey
 
 log = logging.getLogger(__name__)
@@ -72,15 +73,14 @@ class PooledRegions:
         A parked region (its last version seen by no reader, or registered ahead) takes no registration;
         otherwise a fresh private agent registers it (one registration)."""
         keys, spans = new_object.keys, new_object.spans
-        region = tuple(keys)
-        ahead = self._ahead.get(region)
+        ahead = self._ahead.get(tuple(keys))
         if ahead is not None:  # its registration started at the last version's free: let it finish
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(AHEAD_TIMEOUT):
                     await asyncio.shield(ahead)
         for _attempt in range(3):
             fresh: Generation | None = None
-            if region not in self.nixl.pooled_parked:
+            if not self.nixl.is_parked(keys):
                 assert self.nixl.new_private is not None
                 fresh = await self.nixl.new_private()
             retired = None
@@ -90,34 +90,19 @@ class PooledRegions:
                         raise Conflict(f"object {object_id} already exists")
                     if self.nixl.gens.active is None or self.records.closing:
                         raise NotReady("the agent is not ready (starting or stopping)")
-                    gid = self.nixl.pooled_parked.pop(region, None)
-                    if gid is not None:  # parked, never seen by a reader: no registration
-                        gen = self.nixl.gens.get(gid)
-                        new = self.nixl.ledger.acquire(gid, keys, object_id)
-                        assert not new, "a parked pooled region is registered in its agent"
-                        try:
-                            described = await self.nixl.control(describe_in, gen.agent, keys, spans)
-                        except Exception as exc:
-                            self.nixl.ledger.release(gid, object_id, park_all=True)
-                            self.nixl.pooled_parked[region] = gid
-                            self.metrics.error("nixl_describe")
-                            raise TransportError(f"describing object {object_id} for NIXL failed: {exc}") from exc
+                    adopted = await self.nixl.adopt_parked(object_id, keys, spans)
+                    if adopted is not None:  # parked, never seen by a reader: no registration
+                        gid, described = adopted
                         return self.records.record(object_id, tensors, new_object, gid, described)
                     if fresh is None:
                         continue  # its parked agent went meanwhile (a shutdown): take a fresh one
                     gen, fresh = fresh, None
-                    self.nixl.gens.add_private(gen)
-                    self.nixl.ledger.add_generation(gen.gid)
-                    self.nixl.members.setdefault(gen.gid, set())
-                    new = self.nixl.ledger.acquire(gen.gid, keys, object_id)
+                    self.nixl.add_private(gen)
                     try:
-                        [described] = await self.nixl.control(register_in, gen.agent, new, [(keys, spans)])
-                    except Exception as exc:
-                        self.nixl.ledger.rollback(gen.gid, new, object_id)
-                        self.metrics.error("nixl_register")
+                        described = await self.nixl.register(gen, object_id, keys, spans)
+                    except TransportError:
                         retired = self.nixl.retire_generation(gen.gid)
-                        raise TransportError(f"registering object {object_id} with NIXL failed: {exc}") from exc
-                    self.metrics.registrations.labels(op="register").inc(len(new))
+                        raise
                     return self.records.record(object_id, tensors, new_object, gen.gid, described)
             finally:
                 if retired is not None:
@@ -131,7 +116,7 @@ class PooledRegions:
     def start_ahead(self, keys: list[RegionKey]) -> None:
         """After a free that fenced a pooled region: register it again, in the background (`_register_ahead`)."""
         region = tuple(keys)
-        if region in self._ahead or region in self.nixl.pooled_parked:
+        if region in self._ahead or self.nixl.is_parked(keys):
             return
         task = asyncio.get_running_loop().create_task(self._register_ahead(keys), name="gpuobj-pooled-ahead")
         self._ahead[region] = task
@@ -167,28 +152,16 @@ class PooledRegions:
                 if (
                     self.records.closing
                     or self.nixl.gens.active is None
-                    or region in self.nixl.pooled_parked
+                    or self.nixl.is_parked(keys)
                     or any(o.on_release is not None and tuple(o.keys) == region for o in self.records.objects.values())
                 ):
                     return  # stopping, or the owner's put got there first (it waited AHEAD_TIMEOUT for us)
-                self.nixl.gens.add_private(gen)
-                self.nixl.ledger.add_generation(gen.gid)
-                self.nixl.members.setdefault(gen.gid, set())
-                owner = f"ahead.{gen.gid}"
-                new = self.nixl.ledger.acquire(gen.gid, keys, owner)
-                self.nixl.registered_ahead += len(new)  # with the ledger's count: the two always agree
                 try:
-                    await self.nixl.control(gen.agent.register, list(new))
-                except Exception as exc:
-                    self.nixl.ledger.rollback(gen.gid, new, owner)
-                    self.nixl.registered_ahead -= len(new)
-                    self.metrics.error("nixl_register")
-                    retired = self.nixl.retire_generation(gen.gid)
-                    log.error("registering a pooled region ahead in %s failed: %s", gen.name, exc)
+                    await self.nixl.park_ahead(gen, keys)
+                except TransportError as exc:
+                    retired = gen  # retired by park_ahead: destroyed below
+                    log.error("%s", exc)
                     return
-                self.nixl.ledger.release(gen.gid, owner, park_all=True)
-                self.nixl.pooled_parked[region] = gen.gid
-                self.metrics.registrations.labels(op="register").inc(len(new))
                 taken = True
         finally:
             if retired is not None:

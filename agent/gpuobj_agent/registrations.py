@@ -6,8 +6,8 @@ raises NOT_FOUND, and a remote reader that loaded a region's key rejects a secon
 different key for the same region (NIXL_ERR_NOT_ALLOWED). So the agent never asks NIXL
 to register a region that agent already has, never deregisters what it does not hold,
 and never registers a region again in an agent that deregistered it after a reader saw
-its key. This ledger decides all of that in plain Python; the caller does the NIXL calls
-it prescribes.
+its key. This ledger decides all of that in plain Python; its one caller, nixl_state.py (the
+writer of placement), does the NIXL calls it prescribes.
 
 The unit is a whole tensor storage (one allocation): tensors that share a storage share
 one registration, reference-counted by owner (object id). A region is "exposed" once a

@@ -37,14 +37,13 @@ from gpuobj_agent.errors import (
     NotReady,
     ObjectNotFound,
     QuotaExceeded,
-    TransportError,
 )
 from gpuobj_agent.generations import PRIVATE, Generation
 from gpuobj_agent.layouts import TensorLayout, allocate, layout_of
 from gpuobj_agent.metrics import AgentMetrics, Levels
 from gpuobj_agent.nixl_state import NixlState
 from gpuobj_agent.nixl_transport import Span, exact_regions
-from gpuobj_agent.objects import Description, NewObject, StoredObject, check_id, check_stream, iso_time, register_in
+from gpuobj_agent.objects import Description, NewObject, StoredObject, check_id, check_stream, iso_time
 from gpuobj_agent.pooled import PooledRegions
 from gpuobj_agent.reads import Reads
 from gpuobj_agent.registrations import RegionReused
@@ -194,19 +193,11 @@ class ObjectStore:
                 if gen is None or self.closing:
                     raise NotReady("the agent is not ready (starting or stopping)")
                 try:
-                    new = self.nixl.ledger.acquire(gen.gid, keys, object_id)
+                    described = await self.nixl.register(gen, object_id, keys, spans)
                 except RegionReused:
                     if attempt:
                         raise
-                    new = None
-                if new is not None:
-                    try:
-                        [described] = await self.nixl.control(register_in, gen.agent, new, [(keys, spans)])
-                    except Exception as exc:
-                        self.nixl.ledger.rollback(gen.gid, new, object_id)
-                        self.metrics.error("nixl_register")
-                        raise TransportError(f"registering object {object_id} with NIXL failed: {exc}") from exc
-                    self.metrics.registrations.labels(op="register").inc(len(new))
+                else:
                     return self.record(object_id, tensors, new_object, gen.gid, described)
             # One of these storages was freed after a reader saw it, and is alive again (the workload
             # re-put a tensor it still holds): a newer NIXL agent must take it. Rotate and retry.
@@ -236,7 +227,7 @@ class ObjectStore:
         obj.shared_with = shared_with
         obj.on_release = on_release
         self.objects[object_id] = obj
-        self.nixl.members.setdefault(gid, set()).add(object_id)
+        self.nixl.placed(gid, object_id)
         if stream is not None:
             self.streams.setdefault(stream, set()).add(object_id)
         return obj
@@ -366,17 +357,14 @@ class ObjectStore:
         pooled = obj.on_release is not None
         fenced: list[Generation] = []
         async with self.nixl.lock:
-            for gid in self.nixl.ledger.owner_generations(obj.object_id):
-                released = self.nixl.ledger.release(gid, obj.object_id, park_exposed=True, park_all=pooled)
-                if released.deregister:
-                    await self.nixl.deregister(gid, released.deregister)
+            for gid, released in await self.nixl.release(obj):
                 private = self.nixl.gens.has(gid) and self.nixl.gens.get(gid).lane == PRIVATE
                 if private and released.exposed:
                     # A reader was handed this pooled region's key, and its owner refills the buffer next:
                     # destroy the agent now (below), before the owner gets the buffer back.
                     fenced.append(await self.nixl.retire_private(gid))
                 elif private:
-                    self.nixl.pooled_parked[tuple(obj.keys)] = gid
+                    self.nixl.park_pooled(obj.keys, gid)
                 elif released.exposed:
                     exposed.add(gid)
                 if self.nixl.gens.has(gid):
@@ -388,9 +376,6 @@ class ObjectStore:
                 self._freed_grants[obj.object_id] = obj.shared_with
                 if len(self._freed_grants) > FREED_GRANTS_KEPT:
                     self._freed_grants.popitem(last=False)
-            members = self.nixl.members.get(obj.gid)
-            if members is not None:
-                members.discard(obj.object_id)
             if obj.stream is not None:
                 items = self.streams.get(obj.stream)
                 if items is not None:
