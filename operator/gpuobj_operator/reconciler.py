@@ -256,7 +256,11 @@ class Reconciler:
         lands as three writes (the object's create, the claim's, the object's delete) tenths of a second
         apart under load; one status after the last says what two in between would."""
         now, delay, item = time.monotonic(), self.settings.status_delay, (kind, key)
-        if not urgent and delay > 0:
+        if urgent:  # Lost, Failed: at once, whatever was settling (a release without a free follows Lost)
+            self._settling.pop(item, None)
+            self.expected.status_wait(kind, key, True, delay, now)  # forgets a routine write held back
+            return False
+        if delay > 0:
             self._note_asked(item, status, now)
         settling = self._settling.get(item)
         if settling is not None and now - settling[2] >= self.SETTLE_CAP * delay:

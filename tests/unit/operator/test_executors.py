@@ -354,3 +354,23 @@ def test_a_held_status_waits_until_what_it_says_has_settled_at_most_eight_delays
             break
     assert now[0] - 100.55 == pytest.approx(2.0)
     assert not r._status_not_due("object", key, True, {"state": "Lost"})  # urgent: at once
+
+
+def test_an_urgent_status_is_never_held_behind_a_settling_one(monkeypatch) -> None:
+    """Lost goes at once even while a routine status of the same object is settling: the free path's
+    release without a free follows it, and a Lost held back would meet a deleted object (never written,
+    never counted in gpuobj_lost_objects_total; the chaos test's source-pod-delete found it)."""
+    api, agents, events = FakeApi(), FakeAgents(), Events()
+    box: list[Reconciler] = []
+    r = Reconciler(api, agents, OperatorMetrics(lambda: box[0].ledger), events, Settings(status_delay=0.25))  # type: ignore[arg-type]
+    box.append(r)
+    monkeypatch.setattr(r.queue, "add_after", lambda item, delay: None)
+    now = [100.0]
+    monkeypatch.setattr("gpuobj_operator.reconciler.time.monotonic", lambda: now[0])
+    key = (NS, "w")
+    assert r._status_not_due("object", key, False, {"state": "Ready", "claims": 1})  # settling
+    now[0] += 0.3  # due, and it has settled for 0.3 s; then the source goes
+    assert not r._status_not_due("object", key, True, {"state": "Lost", "claims": 1})  # at once
+    assert r._status_not_due("object", (NS, "v"), False, {"state": "Ready"})
+    now[0] += 0.05  # the source goes 0.05 s after the first ask
+    assert not r._status_not_due("object", (NS, "v"), True, {"state": "Lost"})  # at once
