@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--status-delay",
         type=float,
-        default=0.25,
+        default=Settings.status_delay,
         help="seconds a routine status write waits (short-lived objects then need none); 0 writes at once",
     )
     p.add_argument(

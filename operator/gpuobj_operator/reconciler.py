@@ -276,7 +276,7 @@ class Reconciler:
         self._settling.pop(item, None)
         return False
 
-    SETTLE_CAP = 8  # a status that keeps changing is written at most this many status delays after first asked
+    SETTLE_CAP = 4  # a status that keeps changing is written at most this many status delays after first asked
 
     def _note_asked(self, item: tuple[str, Key], status: dict[str, Any], now: float) -> None:
         """Remember what a held status would say and when that last changed (transition times aside)."""

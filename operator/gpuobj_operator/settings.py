@@ -20,7 +20,10 @@ class Settings:
     leak_grace_seconds: float = 30.0  # before leaked bytes are reclaimed
     audit_interval: float = 10.0  # seconds between agent inventory audits
     resync_interval: float = 60.0  # seconds between re-decisions of everything
-    status_delay: float = 0.25  # a routine status write waits this long (short-lived objects need none)
+    # A routine status write waits this long: an object or claim gone sooner costs no status write (a
+    # lifecycle under a second is its create, its delete and the finalizer's removal); the live view shows
+    # every object at once, so kubectl's GPUObject status is the durable record, not the prompt one.
+    status_delay: float = 1.0
     stream_status_interval: float = 1.0  # a busy stream's counters are written at most this often
     liveness_interval: float = 20.0  # seconds between backstop probes of each agent (docs/liveness.md)
     liveness_max_backoff: float = 60.0  # the longest gap between probes while they fail
