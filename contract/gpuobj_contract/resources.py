@@ -182,6 +182,14 @@ class TensorSpec(Shape):
 
 
 @dataclass(frozen=True)
+class TensorSummary(Shape):
+    """spec.tensorSummary: how many tensors and bytes, standing in for a long spec.tensors (library puts only)."""
+
+    count: int
+    bytes: int
+
+
+@dataclass(frozen=True)
 class StreamItem(Shape):
     """spec.stream: which GPUObjectStream the object is an item of, and where in it."""
 
@@ -191,8 +199,11 @@ class StreamItem(Shape):
 
 @dataclass(frozen=True)
 class GPUObjectSpec(Shape):
+    """Either ``tensors`` (every layout) or ``tensor_summary`` (library puts of more than LISTED_TENSORS_MAX)."""
+
     source: ObjectSource
-    tensors: tuple[TensorSpec, ...]
+    tensors: tuple[TensorSpec, ...] = ()
+    tensor_summary: TensorSummary | None = None
     object_id: str | None = None
     shared_with: tuple[str, ...] = ()
     key: str | None = None

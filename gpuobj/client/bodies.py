@@ -19,6 +19,7 @@ from gpuobj.client.handles import ObjectAddress, TensorLayout
 from gpuobj.client.state_dicts import Entries
 from gpuobj_contract import names
 from gpuobj_contract import resources as crd
+from gpuobj_contract.layouts import LISTED_TENSORS_MAX
 from gpuobj_contract.shard_buckets import bucket_labels
 
 
@@ -73,9 +74,13 @@ def object_body(
         meta["ownerReferences"] = [
             {"apiVersion": names.API_VERSION, "kind": names.KIND_STREAM, "name": stream_name, "uid": stream_uid}
         ]
+    # A long layout list is summed up (LISTED_TENSORS_MAX says why); a stream's items keep theirs, as its
+    # readers allocate from the item's record.
+    listed = item is not None or len(layouts) <= LISTED_TENSORS_MAX
     spec = crd.GPUObjectSpec(
         source=crd.ObjectSource(source.pod_name, pod_uid=source.pod_uid, incarnation=source.incarnation or None),
-        tensors=named_tensor_specs(layouts, entries),
+        tensors=named_tensor_specs(layouts, entries) if listed else (),
+        tensor_summary=None if listed else crd.TensorSummary(len(layouts), sum(t.nbytes for t in layouts)),
         object_id=object_id,
         shared_with=tuple(shared_with),
         stream=item,

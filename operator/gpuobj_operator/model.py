@@ -66,7 +66,8 @@ class ObjectInfo:
     name: str
     uid: str
     source_pod: str
-    tensors: list[dict[str, Any]]
+    tensors: list[dict[str, Any]]  # empty when spec.tensorSummary stands in for them
+    summary: tuple[int, int] | None = None  # spec.tensorSummary: (count, bytes)
     source_pod_uid: str | None = None
     spec_incarnation: str | None = None  # spec.source.incarnation: the agent process that put it
     spec_object_id: str | None = None
@@ -97,7 +98,11 @@ class ObjectInfo:
 
     @property
     def bytes(self) -> int:
-        return tensor_bytes(self.tensors)
+        return self.summary[1] if self.summary is not None else tensor_bytes(self.tensors)
+
+    @property
+    def tensor_count(self) -> int:
+        return self.summary[0] if self.summary is not None else len(self.tensors)
 
     @property
     def materialized(self) -> bool:
@@ -265,6 +270,7 @@ def parse_object(obj: Mapping[str, Any]) -> ObjectInfo:
         source_pod_uid=spec.source.pod_uid,
         spec_incarnation=spec.source.incarnation or None,
         tensors=[t.to_json() for t in spec.tensors],
+        summary=(spec.tensor_summary.count, spec.tensor_summary.bytes) if spec.tensor_summary else None,
         spec_object_id=spec.object_id,
         key_name=spec.key,
         shared_with=spec.shared_with,

@@ -181,7 +181,7 @@ def _desired_object_status(
         state=state,
         object_id=obj.object_id if obj.materialized or not obj.declared else obj.status.object_id,
         bytes=obj.bytes,
-        tensor_count=len(obj.tensors),
+        tensor_count=obj.tensor_count,
         references=refs,
         claims=len(claims),
         source_pod_uid=source_pod_uid,

@@ -30,9 +30,22 @@ def registrations(pods: Pods, token_file) -> float:
     """The trainer's NIXL registrations on a put's path: all of them (gpuobj_agent_nixl_registrations_total) but
     those made ahead, in a spare agent after a free (docs/weight-sync.md), once none is under way."""
     trainer = pods.workloads[TRAINER]
-    wait_until(lambda: trainer.eval("client.agent.agent.store.registering_ahead") == 0, "the registration ahead", 30)
-    total = agent_http.metric(pods.endpoint(TRAINER), "gpuobj_agent_nixl_registrations_total", {"op": "register"})
-    return total - trainer.eval("client.agent.agent.nixl.registered_ahead")
+    found: list[float] = []
+
+    def settled() -> bool:
+        """No registration ahead under way before the metric's read and after it: the count made ahead
+        (taken when one starts) and the metric (when it ends) agree, or the read is made again."""
+        quiet = "client.agent.agent.store.registering_ahead == 0"
+        if not trainer.eval(quiet):
+            return False
+        total = agent_http.metric(pods.endpoint(TRAINER), "gpuobj_agent_nixl_registrations_total", {"op": "register"})
+        ahead, still = trainer.eval(f"[client.agent.agent.nixl.registered_ahead, {quiet}]")
+        again = agent_http.metric(pods.endpoint(TRAINER), "gpuobj_agent_nixl_registrations_total", {"op": "register"})
+        found[:] = [total - ahead]
+        return bool(still) and again == total
+
+    wait_until(settled, "the registration ahead", 30)
+    return found[0]
 
 
 def connected_ahead(reader) -> int:
@@ -124,6 +137,27 @@ def test_a_real_models_state_dict_round_trips_with_names_dtypes_bytes_and_tied_w
     trainer.run("ref.release()")
     wait_object(gpuobj_cluster, namespace, "policy", lambda o: o is None)
     finish(gpuobj_cluster, namespace, pods, token_file, trainer, {READERS[0]: reader})
+
+
+def test_a_state_dict_of_more_tensors_than_are_listed_is_recorded_by_count_and_bytes(
+    gpuobj_cluster: ClusterHandle, namespace: str, operator: OperatorProcess, pods: Pods, token_file
+) -> None:
+    """Past LISTED_TENSORS_MAX the GPUObject carries spec.tensorSummary, not every layout; the operator's
+    status reads the same bytes and count, and a reader gets every tensor (its layouts come from the agent)."""
+    trainer, reader = pods.workload(TRAINER), pods.workload(READERS[0])
+    make = "sd = {f'layers.{i}.w': torch.full((4, 3 + i % 5), float(i), dtype=torch.bfloat16) for i in range(300)}"
+    trainer.run(f"{make}; ref = client.put(sd, name='many'); client.flush()")
+    nbytes = trainer.eval("sum(t.nbytes for t in sd.values())")
+    ready = lambda o: o and (o.get("status") or {}).get("state") == "Ready"  # noqa: E731
+    obj = wait_object(gpuobj_cluster, namespace, "many", ready)
+    assert "tensors" not in obj["spec"] and obj["spec"]["tensorSummary"] == {"count": 300, "bytes": nbytes}
+    assert (obj["status"]["bytes"], obj["status"]["tensorCount"]) == (nbytes, 300)
+    shared = trainer.eval_pickle("client.share(ref, 'rollout-0')")
+    reader.run(f"{make}; h = client.adopt(load_pickle({shared!r})); got = client.fetch(h)")
+    assert reader.eval("list(got) == list(sd) and all(torch.equal(got[n], t) for n, t in sd.items())")
+    reader.run("del got; h.release()")
+    trainer.run("ref.release(); client.flush()")
+    wait_object(gpuobj_cluster, namespace, "many", lambda o: o is None)
 
 
 def test_versions_reuse_their_buffers_with_one_registration_each_and_a_lagging_reader_keeps_its_own(

@@ -38,8 +38,9 @@ def test_layout_errors_are_value_errors_naming_the_field() -> None:
 def test_the_tensor_count_limit_is_the_crds() -> None:
     """The contract refuses what the API server would refuse, before a client copies anything."""
     crd = yaml.safe_load((Path(__file__).resolve().parents[3] / "crds" / "gpuobj.io_gpuobjects.yaml").read_text())
-    tensors = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["tensors"]
-    assert tensors["maxItems"] == MAX_TENSORS
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert spec["tensors"]["maxItems"] == MAX_TENSORS
+    assert spec["tensorSummary"]["properties"]["count"]["maximum"] == MAX_TENSORS
     one = {"shape": [1], "dtype": "int8"}
     assert len(parse_layouts([one] * MAX_TENSORS)) == MAX_TENSORS
     with pytest.raises(LayoutError, match=f"at most {MAX_TENSORS} tensors"):

@@ -79,3 +79,12 @@ def test_a_body_the_crd_schema_refuses_is_a_clear_error() -> None:
         parse_object({"metadata": META, "spec": {"tensors": [{"shape": [1], "dtype": "int8"}]}})  # no source
     with pytest.raises(ValueError, match="GPUObjectClaimSpec"):
         parse_claim({"metadata": META, "spec": {}})
+
+
+def test_a_summed_up_gpuobject_counts_its_bytes_and_tensors_from_the_summary() -> None:
+    body = {
+        "metadata": {**META, "finalizers": [names.FINALIZER_FREE]},
+        "spec": {"source": {"podName": "src"}, "tensorSummary": {"count": 2000, "bytes": 6_144_000}, "objectId": "o"},
+    }
+    info = parse_object(body)
+    assert (info.tensors, info.bytes, info.tensor_count) == ([], 6_144_000, 2000)
