@@ -45,8 +45,8 @@ MAX_NDIM = 32
 MAX_TENSORS = 2048  # spec.tensors' maxItems in crds/gpuobj.io_gpuobjects.yaml, which a unit test keeps equal
 # The most tensors the client library lists in a GPUObject's spec.tensors; beyond, spec.tensorSummary (count
 # and bytes) stands in. Why: the API server's cost of every write of an object grows with its spec (decode,
-# schema, CEL, managed fields): 30-110 ms a write at 291 listed tensors, 170-620 ms at 2,000 (docs/design.md,
-# "What a GPUObject records"), and no reader needs the list: layouts travel in the agent's grants and tickets.
+# schema, CEL, managed fields): 18-176 ms a write at 291 listed tensors, 169-1,182 ms at 2,000 (docs/design.md,
+# "What a GPUObject records of its tensors"); no reader needs the list: layouts travel in the agent's grants.
 LISTED_TENSORS_MAX = 64
 DEVICES_PATTERN = patterns.DEVICE.regex  # spec.tensors[].device
 
