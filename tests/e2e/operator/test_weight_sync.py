@@ -38,11 +38,13 @@ def registrations(pods: Pods, token_file) -> float:
         quiet = "client.agent.agent.store.registering_ahead == 0"
         if not trainer.eval(quiet):
             return False
-        total = agent_http.metric(pods.endpoint(TRAINER), "gpuobj_agent_nixl_registrations_total", {"op": "register"})
+        total = registered()
         ahead, still = trainer.eval(f"[client.agent.agent.nixl.registered_ahead, {quiet}]")
-        again = agent_http.metric(pods.endpoint(TRAINER), "gpuobj_agent_nixl_registrations_total", {"op": "register"})
         found[:] = [total - ahead]
-        return bool(still) and again == total
+        return bool(still) and registered() == total
+
+    def registered() -> float:
+        return agent_http.metric(pods.endpoint(TRAINER), "gpuobj_agent_nixl_registrations_total", {"op": "register"})
 
     wait_until(settled, "the registration ahead", 30)
     return found[0]
