@@ -182,6 +182,7 @@ class Fetcher:
         self._grant_gens: dict[str, tuple[str, int]] = {}  # endpoint -> (incarnation, newest grant's generation)
         self._enders: set[asyncio.Task[None]] = set()
         self._direct_lock = threading.Lock()
+        self._parsed = api.ParseMemo()  # a model's next version repeats its layouts and spans
         self._direct_loaded: dict[str, set[int]] = {}  # remote agent -> metadata blobs loaded by direct reads
         self._grant_cache: dict[int, _GrantEntry] = {}  # id(grant) -> entry, oldest first
         self._bound_bytes = 0  # landing memory bound to prepared reads
@@ -535,11 +536,10 @@ class Fetcher:
             self._drop_slot(e, slot)
         return entry
 
-    @staticmethod
-    def _parse(endpoint: str, data: Any, what: str) -> api.ReadTicket:
-        """A read ticket or grant (agent_api.ReadTicket: the same shape), checked."""
+    def _parse(self, endpoint: str, data: Any, what: str) -> api.ReadTicket:
+        """A read ticket or grant (agent_api.ReadTicket: the same shape), checked (lists seen before reused)."""
         try:
-            return api.ReadTicket.from_json(data)
+            return api.ReadTicket.from_json(data, self._parsed)
         except ValueError as exc:
             raise FetchError(f"source {endpoint} sent a malformed {what}: {exc}") from None
 

@@ -42,16 +42,18 @@ def normalize_device(device: str | torch.device) -> str:
 
 def tensor_device(tensor: torch.Tensor) -> str:
     """The normalized device of a tensor; a CUDA tensor always names its index."""
-    if tensor.device.type == "cuda":
-        return f"cuda:{tensor.device.index if tensor.device.index is not None else 0}"
-    if tensor.device.type == "cpu":
+    # is_cpu / is_cuda / get_device(), not tensor.device: that builds a device object per call, and a
+    # 2,000-tensor state dict asks on every put
+    if tensor.is_cpu:
         return "cpu"
+    if tensor.is_cuda:
+        return f"cuda:{tensor.get_device()}"
     raise BadRequest(f"tensors on {tensor.device} are not supported (cpu or cuda only)")
 
 
 def layout_of(tensor: torch.Tensor) -> TensorLayout:
     """The layout of a tensor (validates dtype and device)."""
-    return TensorLayout(tuple(int(s) for s in tensor.shape), dtype_name(tensor.dtype), tensor_device(tensor))
+    return TensorLayout(tuple(tensor.shape), dtype_name(tensor.dtype), tensor_device(tensor))  # torch.Size: ints
 
 
 def torch_dtype(layout: TensorLayout) -> torch.dtype:

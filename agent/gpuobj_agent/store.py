@@ -126,16 +126,17 @@ class ObjectStore:
         )
 
     # -- put ---------------------------------------------------------------------------
-    def _prepare(self, tensors: Any, copy: bool) -> list[torch.Tensor]:
+    def _prepare(self, tensors: Any, copy: bool) -> tuple[list[torch.Tensor], list[TensorLayout]]:
+        """The tensors to hold (contiguous) and their layouts; BadRequest names the first that cannot be."""
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         if not isinstance(tensors, (list, tuple)) or not tensors:
             raise BadRequest("an object is a non-empty list of tensors")
-        out = []
+        out, layouts = [], []
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
                 raise BadRequest(f"tensor {i} is a {type(t).__name__}, not a torch.Tensor")
-            layout_of(t)  # validates dtype and device
+            layouts.append(layout_of(t))  # validates dtype and device
             if not t.is_contiguous():
                 if not copy:
                     raise BadRequest(
@@ -145,7 +146,7 @@ class ObjectStore:
                     )
                 t = t.contiguous()
             out.append(t)
-        return out
+        return out, layouts
 
     async def put(
         self,
@@ -172,11 +173,10 @@ class ObjectStore:
             raise NotReady("the agent is not ready (starting or stopping)")
         if object_id in self.objects:
             raise Conflict(f"object {object_id} already exists")
-        tensors = self._prepare(tensors, copy)
-        self._check_quota(sum(t.nbytes for t in tensors))
-        if any(t.device.type == "cuda" for t in tensors):
+        tensors, layouts = self._prepare(tensors, copy)
+        self._check_quota(sum(lay.nbytes for lay in layouts))
+        if any(lay.device != "cpu" for lay in layouts):
             await self.nixl.control(_sync_cuda, tensors)  # off the loop: a device sync may take a while
-        layouts = [layout_of(t) for t in tensors]
         spans = [Span.of(t) for t in tensors]
         keys = exact_regions(spans)  # the object's own bytes, never the rest of the storage it views
         if len({k.mem for k in keys}) > 1:
@@ -244,7 +244,7 @@ class ObjectStore:
     def publish(self, key: str, tensors: Any) -> None:
         """Offer tensors under a key, for a declared GPUObject (`PUT` with `key`) to bind."""
         check_id(key, "key")
-        self.published[key] = self._prepare(tensors, copy=False)
+        self.published[key] = self._prepare(tensors, copy=False)[0]
 
     def unpublish(self, key: str) -> bool:
         return self.published.pop(key, None) is not None

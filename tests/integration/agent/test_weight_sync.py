@@ -240,3 +240,23 @@ def test_a_state_dict_at_the_tensor_limit_round_trips_in_one_region(make_runtime
     gc.collect()
     assert src.free("big")["freed"]
     settle(dst.stats)
+
+
+def test_a_state_dict_laid_end_to_end_on_both_sides_is_read_as_one_descriptor(make_runtime):
+    """The pack buffer lays tensors end to end, and a landing buffer does too when each is a multiple of
+    64 bytes (most of a transformer's): the READ is one descriptor for all of them, not one a tensor,
+    and every tensor still comes back with its bytes."""
+    src, dst = make_runtime("src"), make_runtime("dst")
+    pub = Publisher(src)
+    gen = torch.Generator().manual_seed(11)
+    sd = {f"model.layers.{i}.w": torch.randn(16, 4 + i % 3, generator=gen) for i in range(300)}  # 256-448 bytes
+    pub.publish("sd", sd)
+    reader = dst.agent.fetcher.reader
+    posted, descriptors = reader.read_requests, reader.read_descriptors
+    got = unpack(pub.entries["sd"], dst.fetch(src.endpoint, "sd", token=TOKEN))
+    assert (reader.read_requests - posted, reader.read_descriptors - descriptors) == (1, 1)
+    assert list(got) == list(sd) and all(torch.equal(got[name], t) for name, t in sd.items())
+    del got
+    gc.collect()
+    assert src.free("sd")["freed"]
+    settle(dst.stats)

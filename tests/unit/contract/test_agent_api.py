@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -135,6 +136,24 @@ def test_a_malformed_read_ticket_is_a_value_error(overrides: dict) -> None:
         api.ReadTicket.from_json(_ticket(**overrides))
     with pytest.raises(ValueError):
         api.ReadTicket.from_json([])
+
+
+def test_a_memo_reuses_what_equal_lists_parsed_to_and_never_a_malformed_one() -> None:
+    """A model's next version repeats its grant's lists: equal lists (new objects, as a pickled hand-off
+    brings them) give what they parsed to before; a different or malformed list is parsed (and refused) anew."""
+    memo = api.ParseMemo(size=2)
+    first = api.ReadTicket.from_json(_ticket(), memo)
+    again = api.ReadTicket.from_json(copy.deepcopy(_ticket()), memo)
+    assert again == first and again.tensors is first.tensors and again.spans is first.spans
+    moved = api.ReadTicket.from_json(_ticket(spans=[["DRAM", 0, 8192, 64], None]), memo)
+    assert moved.spans == (api.ReadSpan("DRAM", 0, 8192, 64), None) and moved.tensors is first.tensors
+    for _ in range(2):  # refused every time: nothing of it was remembered
+        with pytest.raises(ValueError):
+            api.ReadTicket.from_json(_ticket(spans=[["DRAM", 0, 4096, 65], None]), memo)
+        with pytest.raises(ValueError):
+            api.ReadTicket.from_json(_ticket(tensors=[{"shape": [-4], "dtype": "float32"}, {"shape": [0]}]), memo)
+    api.ReadTicket.from_json(_ticket(spans=[["DRAM", 0, 1 << 20, 64], None]), memo)  # size 2: the oldest goes
+    assert api.ReadTicket.from_json(_ticket(), memo).spans is not first.spans
 
 
 def test_every_answer_the_agent_writes_reads_back_the_same() -> None:
