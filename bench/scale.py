@@ -64,6 +64,7 @@ from gpuobj_dev.testing.cluster import ClusterHandle  # noqa: E402
 from gpuobj_dev.testing.identities import OPERATOR_SA  # noqa: E402
 
 NAMESPACE = "gpuobj-scale"
+WORKLOADS_LEVEL = "gpuobj-workloads"  # deploy/flowcontrol.yaml's priority level for every workload's gpuobj.io writes
 KEYS = (
     "pods",
     "objects",
@@ -89,6 +90,8 @@ KEYS = (
     "live_view_lag_p99_s",
     "live_view_list_all_s",
     "mutating_p99_s_max",
+    "mutating_sli_p99_s_max",  # printed, not judged: the same without APF queueing (apimetrics)
+    "others_apf_wait_p99_s_max",  # printed, not judged: the wait of every priority level but the workloads'
 )
 # key -> (target, "le" when the figure must be at most the target, "ge" at least); the issue's targets.
 TARGETS = {
@@ -178,6 +181,19 @@ class Phases:
                 self.windows[name] = window
             self.rows.append((name, wall, used, load(), p99))
 
+    def sli_p99_max(self) -> float | None:
+        """The worst phase's mutating p99 without the time queued in APF (the SLO's SLI)."""
+        return apimetrics.worst(w.mutating_sli_p99() for w in self.windows.values())
+
+    def others_wait_p99_max(self) -> float | None:
+        """The worst APF queue wait (p99) of every priority level but the workloads': whom the fleet slowed."""
+        return apimetrics.worst(
+            q
+            for w in self.windows.values()
+            for lv, (_, q) in w.apf_wait_p99_by_level().items()
+            if lv != WORKLOADS_LEVEL
+        )
+
     def mutating_p99_max(self, instead: dict[str, float | None]) -> float | None:
         """The worst phase's p99; a phase named in `instead` counts with that figure (the churn: the p99 of
         the rate it reports, since its last step runs until the API server misses the target, by design)."""
@@ -238,6 +254,17 @@ def print_table(figures: dict, phases: Phases, extra: dict) -> None:
         if p99 is not None and p99 > 1.0 and name in phases.windows:
             by = list(phases.windows[name].mutating_p99_by_resource().items())[:10]
             print(f"{name:>15} | " + ", ".join(f"{r} {n:.0f} p99 {fmt(q)} s" for r, (n, q) in by))
+    print()
+    print(
+        "where a phase's writes waited: mutating p99 as clients saw it | without APF queueing (the SLO's SLI) | "
+        "APF queue wait p99 by priority level (requests)"
+    )
+    for name, _, _, _, p99 in phases.rows:
+        w = phases.windows.get(name)
+        if w is None:
+            continue
+        waits = ", ".join(f"{lv} {fmt(q)} s ({n:.0f})" for lv, (n, q) in list(w.apf_wait_p99_by_level().items())[:6])
+        print(f"{name:>15} | {fmt(p99):>6} | {fmt(w.mutating_sli_p99()):>6} | {waits or 'none queued'}")
 
 
 async def run(args: argparse.Namespace, handle: ClusterHandle, folder: Path, figures: dict) -> None:
@@ -369,6 +396,15 @@ async def run(args: argparse.Namespace, handle: ClusterHandle, folder: Path, fig
         finally:
             instead = {"churn": churn_p99} if churn_p99 is not None else {}
             figures["mutating_p99_s_max"] = phases.mutating_p99_max(instead)
+            figures["mutating_sli_p99_s_max"] = phases.sli_p99_max()
+            figures["others_apf_wait_p99_s_max"] = phases.others_wait_p99_max()
+            extra["mutating p99 without APF queueing"] = (
+                f"{fmt(figures['mutating_sli_p99_s_max'])} s, worst phase (apiserver_request_sli_duration_seconds, "
+                "what the API-call latency SLO is measured on)"
+            )
+            extra["APF wait of every other level"] = (
+                f"{fmt(figures['others_apf_wait_p99_s_max'])} s p99, worst phase (levels but {WORKLOADS_LEVEL})"
+            )
             print_table(figures, phases, extra)
 
 

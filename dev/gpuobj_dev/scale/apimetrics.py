@@ -1,9 +1,14 @@
 """The API server's own figures, scraped from its /metrics: mutating latency p99 and request counts.
 
-Why the API server's: SIG-scalability's SLO is stated on `apiserver_request_duration_seconds`
-(mutating calls, p99 <= 1 s), and `apiserver_request_total` counts every client's requests, the
-operator's, the fleet's and kwok's alike. Scraping is measurement, not workload: it uses the admin
-client. Only the two families are parsed (the full text is several MB).
+Why the API server's: `apiserver_request_duration_seconds` is every mutating call's latency as its client
+saw it (the p99 the bench judges against 1 s), `apiserver_request_total` counts every client's requests,
+the operator's, the fleet's and kwok's alike. Two more families say where a slow write waited:
+`apiserver_request_sli_duration_seconds` is the same latency without the time queued in API Priority and
+Fairness (and in webhooks): what SIG-scalability's API-call latency SLO is measured on since Kubernetes
+1.27. `apiserver_flowcontrol_request_wait_duration_seconds` is that queued time, per priority level: a
+flood queues in its own level, and other levels' waits show whether it slowed anyone else. Scraping is
+measurement, not workload: it uses the admin client. Only these families are parsed (the full text is
+several MB).
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE", "APPLY"})
 # whether objects exist or not (kwok's heartbeats, the operator's Lease).
 OBJECT_GROUPS = frozenset({"gpuobj.io"})
 OBJECT_RESOURCES = frozenset({"events"})
-_SAMPLE = re.compile(r"^(apiserver_request_duration_seconds_bucket|apiserver_request_total)\{([^}]*)\} (\S+)$")
+_SAMPLE = re.compile(
+    r"^(apiserver_request_duration_seconds_bucket|apiserver_request_sli_duration_seconds_bucket|apiserver_request_total"
+    r"|apiserver_flowcontrol_request_wait_duration_seconds_bucket)\{([^}]*)\} (\S+)$"
+)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -38,6 +46,10 @@ class ApiSnapshot:
     object_answers: dict[str, float] = field(default_factory=dict)
     # mutating latency buckets by "VERB resource[/sub]": which writes make a phase's p99
     buckets_by_resource: dict[str, dict[float, float]] = field(default_factory=dict)
+    # mutating latency without the time queued in API Priority and Fairness (the SLO's SLI)
+    sli_buckets: dict[float, float] = field(default_factory=dict)
+    # time requests waited in API Priority and Fairness queues, by priority level (reads and writes)
+    apf_wait: dict[str, dict[float, float]] = field(default_factory=dict)
 
     def minus(self, earlier: ApiSnapshot) -> ApiSnapshot:
         return ApiSnapshot(
@@ -49,7 +61,21 @@ class ApiSnapshot:
                 r: {le: n - earlier.buckets_by_resource.get(r, {}).get(le, 0.0) for le, n in b.items()}
                 for r, b in self.buckets_by_resource.items()
             },
+            {le: n - earlier.sli_buckets.get(le, 0.0) for le, n in self.sli_buckets.items()},
+            {
+                lv: {le: n - earlier.apf_wait.get(lv, {}).get(le, 0.0) for le, n in b.items()}
+                for lv, b in self.apf_wait.items()
+            },
         )
+
+    def mutating_sli_p99(self) -> float | None:
+        """The mutating p99 without APF queueing: what the API server took once it began serving a write."""
+        return quantile(self.sli_buckets, 0.99)
+
+    def apf_wait_p99_by_level(self) -> dict[str, tuple[float, float | None]]:
+        """Priority level -> (requests, p99 of their time queued), most requests first: who waited, and where."""
+        out = {lv: (b.get(float("inf"), 0.0), quantile(b, 0.99)) for lv, b in self.apf_wait.items()}
+        return dict(sorted(((lv, v) for lv, v in out.items() if v[0] > 0), key=lambda kv: -kv[1][0]))
 
     def mutating_p99_by_resource(self) -> dict[str, tuple[float, float | None]]:
         """ "VERB resource" -> (requests, their p99), most requests first: whose writes were slow."""
@@ -147,8 +173,10 @@ def parse(text: str) -> ApiSnapshot:
     codes: dict[str, float] = defaultdict(float)
     answers: dict[str, float] = defaultdict(float)
     by_resource: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
+    sli: dict[float, float] = defaultdict(float)
+    waits: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
     for line in text.splitlines():
-        if not line.startswith("apiserver_request_"):
+        if not line.startswith(("apiserver_request_", "apiserver_flowcontrol_request_wait")):
             continue
         m = _SAMPLE.match(line)
         if not m:
@@ -156,7 +184,12 @@ def parse(text: str) -> ApiSnapshot:
         labels = dict(_LABEL.findall(m.group(2)))
         value = float(m.group(3))
         verb = labels.get("verb", "")
-        if m.group(1) == "apiserver_request_total":
+        if m.group(1) == "apiserver_flowcontrol_request_wait_duration_seconds_bucket":
+            waits[labels.get("priority_level", "")][float(labels["le"])] += value
+        elif m.group(1) == "apiserver_request_sli_duration_seconds_bucket":
+            if verb in MUTATING:
+                sli[float(labels["le"])] += value
+        elif m.group(1) == "apiserver_request_total":
             resource = labels.get("resource", "")
             if labels.get("subresource"):  # gpuobjects/status apart from gpuobjects: who writes which
                 resource = f"{resource}/{labels['subresource']}"
@@ -171,7 +204,13 @@ def parse(text: str) -> ApiSnapshot:
                 resource = f"{resource}/{labels['subresource']}"
             by_resource[f"{verb} {resource}"][float(labels["le"])] += value
     return ApiSnapshot(
-        dict(buckets), dict(requests), dict(codes), dict(answers), {r: dict(b) for r, b in by_resource.items()}
+        dict(buckets),
+        dict(requests),
+        dict(codes),
+        dict(answers),
+        {r: dict(b) for r, b in by_resource.items()},
+        dict(sli),
+        {lv: dict(b) for lv, b in waits.items()},
     )
 
 

@@ -213,3 +213,33 @@ def test_a_phases_p99_is_broken_down_by_verb_and_resource() -> None:
     assert list(by) == ["POST pods", "PATCH gpuobjects/status"]
     assert by["POST pods"][0] == 100 and by["POST pods"][1] == pytest.approx(4.55)
     assert by["PATCH gpuobjects/status"] == (10, pytest.approx(0.495))
+
+
+def test_a_phase_says_how_long_writes_queued_in_apf_apart_from_how_long_they_were_served() -> None:
+    """The SLI (no APF queueing) and the wait per priority level: a flood queued in its own level is told
+    apart from an API server slow for everyone."""
+    sli = "apiserver_request_sli_duration_seconds_bucket"
+    wait = "apiserver_flowcontrol_request_wait_duration_seconds_bucket"
+    ours = 'execute="true",flow_schema="gpuobj-workloads",priority_level="gpuobj-workloads"'
+
+    def text(served: float, queued: float) -> str:  # cumulative counts since the API server started
+        return "\n".join(
+            [
+                f'{sli}{{verb="POST",resource="gpuobjects",le="0.1"}} {served}',
+                f'{sli}{{verb="POST",resource="gpuobjects",le="+Inf"}} 100',
+                f'{sli}{{verb="GET",resource="gpuobjects",le="0.1"}} 0',
+                f'{sli}{{verb="GET",resource="gpuobjects",le="+Inf"}} 50',
+                f'{wait}{{{ours},le="0.5"}} {queued}',
+                f'{wait}{{{ours},le="4"}} 100',
+                f'{wait}{{{ours},le="+Inf"}} 100',
+                f'{wait}{{execute="true",flow_schema="service-accounts",priority_level="workload-low",le="0.5"}} 10',
+                f'{wait}{{execute="true",flow_schema="service-accounts",priority_level="workload-low",le="+Inf"}} 10',
+            ]
+        )
+
+    window = apimetrics.parse(text(100, 50)).minus(apimetrics.parse(""))
+    assert window.mutating_sli_p99() is not None and window.mutating_sli_p99() <= 0.1  # reads are not counted
+    levels = window.apf_wait_p99_by_level()
+    assert list(levels) == ["gpuobj-workloads", "workload-low"]
+    assert levels["gpuobj-workloads"][0] == 100 and levels["gpuobj-workloads"][1] > 1.0  # half queued past 0.5 s
+    assert levels["workload-low"][1] <= 0.5
