@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, TypeVar
 from urllib.parse import quote
 
 from gpuobj_contract import patterns
 from gpuobj_contract.layouts import LayoutError, TensorLayout, parse_layouts
+
+Parsed = TypeVar("Parsed")  # what ParseMemo keeps: parsed layouts or spans
 
 # A NIXL READ posted with this notification message ends the read ticket `<readId>` at the source.
 READ_END_NOTIF_PREFIX = "gpuobj-read-end:"
@@ -633,8 +636,8 @@ class ReadTicket:
             raise ValueError("expected an object")
         memo = memo or _NO_MEMO
         try:
-            tensors = memo.parsed(memo.tensors, data["tensors"], _parse_tensors)
-            spans = memo.parsed(memo.spans, data["spans"], _parse_spans)
+            tensors = memo.layouts(data["tensors"])
+            spans = memo.spans(data["spans"])
             agent = data["nixlAgent"]
             metadata = data.get("agentMetadata") or ""
             live = tuple(str(n) for n in data.get("liveAgents") or ())
@@ -680,18 +683,26 @@ class ParseMemo:
 
     Why: a grant of a model's next version repeats its layouts (and, from a reused pack buffer, its
     spans): 2,000 of each take ~7 ms to parse and check, ~0.1 ms to compare with a list parsed before.
-    An equal list parses to equal values, so reusing them is the same as parsing again. Any thread.
+    A list equal to one parsed before (Python's ==) gives what that one parsed to: the same values. The
+    lists are kept as given (a grant is never changed once received). Any thread.
     """
 
     def __init__(self, size: int = 4) -> None:
         self._lock = threading.Lock()
-        self.tensors: deque[tuple[list[Any], tuple[TensorLayout, ...]]] = deque(maxlen=size)
-        self.spans: deque[tuple[list[Any], tuple[ReadSpan | None, ...]]] = deque(maxlen=size)
-        self.size = size
+        self._layouts: deque[tuple[list[Any], tuple[TensorLayout, ...]]] = deque(maxlen=size)
+        self._spans: deque[tuple[list[Any], tuple[ReadSpan | None, ...]]] = deque(maxlen=size)
+        self._size = size
 
-    def parsed(self, seen: deque[tuple[list[Any], Any]], raw: Any, parse: Any) -> Any:
-        """`parse(raw)`, or what an equal list parsed to before (lists only: the JSON shape)."""
-        if not isinstance(raw, list) or not self.size:
+    def layouts(self, raw: Any) -> tuple[TensorLayout, ...]:
+        """A ticket's `tensors`, parsed (LayoutError names what is wrong)."""
+        return self._parsed(self._layouts, raw, _parse_tensors)
+
+    def spans(self, raw: Any) -> tuple[ReadSpan | None, ...]:
+        """A ticket's `spans`, parsed (ValueError names what is wrong)."""
+        return self._parsed(self._spans, raw, _parse_spans)
+
+    def _parsed(self, seen: deque[tuple[list[Any], Parsed]], raw: Any, parse: Callable[[Any], Parsed]) -> Parsed:
+        if not isinstance(raw, list) or not self._size:  # the JSON shape is a list; anything else fails in parse
             return parse(raw)
         with self._lock:
             for earlier, result in seen:
