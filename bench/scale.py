@@ -92,6 +92,7 @@ KEYS = (
     "mutating_p99_s_max",
     "mutating_sli_p99_s_max",  # printed, not judged: the same without APF queueing (apimetrics)
     "others_apf_wait_p99_s_max",  # printed, not judged: the wait of every priority level but the workloads'
+    "fleet_write_budget",  # the run's configuration (--fleet-write-budget), not judged
 )
 # key -> (target, "le" when the figure must be at most the target, "ge" at least); the issue's targets.
 TARGETS = {
@@ -267,10 +268,27 @@ def print_table(figures: dict, phases: Phases, extra: dict) -> None:
         print(f"{name:>15} | {fmt(p99):>6} | {fmt(w.mutating_sli_p99()):>6} | {waits or 'none queued'}")
 
 
+def pacing_line(budget: float, pacing: dict[str, float]) -> str:
+    """What the fleet write budget did: the share each pod was told, and how long its writes waited for it."""
+    if not budget:
+        return "none (--fleet-write-budget 0): each pod backs off on its own"
+    paced, told, share = pacing.get("paced_writes", 0), pacing.get("told", 0), pacing.get("rate_median", 0)
+    waited = fmt(pacing.get("paced_s", 0) / max(1, paced))
+    return (
+        f"{budget:g} writes/s: {told:.0f} pods told, median share {share:.3g}/s; {paced:.0f} of"
+        f" {pacing.get('sent', 0):.0f} writes waited for their slot, {waited} s each on average;"
+        f" {pacing.get('elided_while_paced', 0):.0f} families taken back while they waited"
+    )
+
+
 async def run(args: argparse.Namespace, handle: ClusterHandle, folder: Path, figures: dict) -> None:
     """Every scenario in order; `figures` fills as they finish (a failure keeps what was measured)."""
-    operator_args = ["--audit-interval", str(args.audit_interval), "--leak-grace", str(args.leak_grace)]
+    operator_args = [
+        *("--audit-interval", str(args.audit_interval), "--leak-grace", str(args.leak_grace)),
+        *("--fleet-write-budget", str(args.fleet_write_budget)),
+    ]
     extra: dict = {"machine load at the start": f"{load()} (1/5/15 min; the table's head gives it at the end)"}
+    figures["fleet_write_budget"] = args.fleet_write_budget
     churn_p99: float | None = None  # the churn counts in mutating_p99_s_max at the rate it reports
     async with ScaleHarness(
         handle,
@@ -312,6 +330,7 @@ async def run(args: argparse.Namespace, handle: ClusterHandle, folder: Path, fig
                 f" {fmt(r.statuses_settled_s)} s after their writes landed; fleet RSS {r.fleet_rss_mib[0]:.0f} MiB with"
                 f" the agents up, {r.fleet_rss_mib[1]:.0f} MiB with every object put"
             )
+            extra["fleet write budget"] = pacing_line(args.fleet_write_budget, r.pacing)
             extra["shared writes refused"] = (
                 f"{fmt(r.shared_refused_per_object)} per shared object answered non-2xx (429, 409, 5xx, time-out)"
             )
@@ -384,6 +403,7 @@ async def run(args: argparse.Namespace, handle: ClusterHandle, folder: Path, fig
                     f" {step.other_writes:.0f} other writes in its {step.seconds:.0f} s (idle Lease baseline"
                     f" {baseline:.0f}); per lifecycle, every write: "
                     + ", ".join(f"{k} {v:.3f}" for k, v in list(step.writes_by_resource.items())[:8])
+                    + (f"; {pacing_line(args.fleet_write_budget, step.pacing)}" if args.fleet_write_budget else "")
                 )
             audits = await phases.run("audit", scenarios.audit_at_size(h, args.audit_sizes, args.audit_timeout, log))
             for a in audits:
@@ -432,6 +452,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--churn-seconds", type=float, default=10.0, help="length of each churn step")
     p.add_argument("--audit-sizes", type=int, nargs="+", default=[10, 1000, 10000])
     p.add_argument("--audit-timeout", type=float, default=180.0)
+    p.add_argument(
+        "--fleet-write-budget",
+        type=float,
+        default=150.0,
+        help="the operator's --fleet-write-budget: API writes a second the fleet's pods share (0: none, each pod "
+        "backs off on its own); 150 keeps this 2-core dev control plane's queues short (docs/scale.md)",
+    )
     p.add_argument("--audit-interval", type=float, default=10.0, help="the operator's --audit-interval")
     p.add_argument("--leak-grace", type=float, default=30.0, help="the operator's --leak-grace")
     p.add_argument("--settle-seconds", type=float, default=60.0, help="longest wait for leaks to clear at the end")

@@ -90,6 +90,7 @@ class Agent:
         restrict_transports(config)
         self.incarnation = secrets.token_hex(8)
         self.started_wall = time.time()
+        self.write_rate: float | None = None  # the pod's share of the fleet's write budget, as last told
         self.tokens = tokens or build_auth(config)
         self.base_name = config.nixl_base_name(self.incarnation)
         self._control = ThreadPoolExecutor(1, thread_name_prefix="gpuobj-nixl-control")
@@ -248,10 +249,14 @@ class Agent:
 
     # -- views -------------------------------------------------------------------------
     def info(self) -> api.AgentInfo:
-        return self.store.agent_info(started_wall=self.started_wall, endpoint=self.endpoint)
+        return self.store.agent_info(started_wall=self.started_wall, endpoint=self.endpoint, write_rate=self.write_rate)
 
     def inventory(self) -> api.Inventory:
         return self.store.inventory()
+
+    def tell_write_rate(self, per_second: float) -> None:
+        """The operator's word on a probe: this pod's share of the fleet's write budget; 0: none."""
+        self.write_rate = per_second or None
 
     def stats(self) -> dict[str, Any]:
         """Counts a test asserts on at the end: nothing held, everything balanced."""

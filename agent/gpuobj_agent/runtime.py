@@ -324,6 +324,10 @@ class AgentRuntime:
         self._on_loop("set_private")
         self.agent.store.set_private(object_id, private)
 
+    def told_write_rate(self) -> float | None:
+        """For the embedding client's write-behind, on this loop (the control server sets it there too)."""
+        return self.agent.write_rate
+
     async def afree(self, object_id: str, *, wait_fence: bool = False) -> dict[str, Any]:
         return await self._acall(self._free(object_id, wait_fence))
 

@@ -109,6 +109,8 @@ class Served(Protocol):
 
     def inventory(self) -> api.Inventory: ...
 
+    def tell_write_rate(self, per_second: float) -> None: ...  # the operator's word on a probe (0: no budget)
+
 
 MAX_BODY = 1 << 20
 AGENT_KEY = web.AppKey("gpuobj_agent", object)  # the Served agent (extra routes, e.g. the test workload's, use more)
@@ -218,6 +220,19 @@ async def _body(request: web.Request, allowed: frozenset[str]) -> dict[str, Any]
     return _parse(lambda data: api.request_fields(data, allowed), await _json(request))
 
 
+def _write_rate(text: str) -> float:
+    """A told write rate: a finite number of writes a second, 0 or more."""
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = -1.0
+    if not 0 <= rate <= api.MAX_WRITE_RATE:  # NaN fails this too
+        raise BadRequest(
+            f"{names.HEADER_WRITE_RATE} must be a number of writes a second from 0 to {api.MAX_WRITE_RATE:g}"
+        )
+    return rate
+
+
 def _query_int(request: web.Request, key: str, low: int, high: int, *, default: int) -> int:
     text = request.query.get(key)
     if text is None:
@@ -258,6 +273,12 @@ class Routes:
         )
 
     async def info(self, request: web.Request) -> web.Response:
+        """Whose agent this is. The operator's probe may carry the pod's share of the fleet's write budget
+        (`Gpuobj-Write-Rate`, writes a second; 0: none), which the pod's write-behind paces its writes at
+        (docs/write-behind.md): told here, so the budget costs no request of its own."""
+        told = request.headers.get(names.HEADER_WRITE_RATE)
+        if told is not None:
+            self.agent.tell_write_rate(_write_rate(told))
         return web.json_response(self.agent.info().to_json())
 
     async def inventory(self, request: web.Request) -> web.Response:

@@ -453,7 +453,7 @@ class ObjectStore:
         else:
             self._private.discard(object_id)
 
-    def agent_info(self, *, started_wall: float, endpoint: str) -> api.AgentInfo:
+    def agent_info(self, *, started_wall: float, endpoint: str, write_rate: float | None = None) -> api.AgentInfo:
         """INFO's answer: whose agent holds this store (pod, namespace, UID, process incarnation) and its
         NIXL agents. One builder for the agent and the scale fleet's stand-in (gpuobj_dev.scale.fleet_agent)."""
         c, active = self.config, self.nixl.gens.active
@@ -466,6 +466,7 @@ class ObjectStore:
             nixl_agents=tuple(self.nixl.gens.live_names()),
             started_at=iso_time(started_wall),
             endpoint=endpoint,
+            write_rate=write_rate,
         )
 
     def inventory(self) -> api.Inventory:

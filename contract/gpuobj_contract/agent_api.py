@@ -119,6 +119,7 @@ FREE_STREAM = Route("POST", "/v1/streams/{stream}/free")
 RELEASE_HANDOFF = Route("POST", "/v1/claims/{claim}/release")
 
 OPEN_ROUTES = (HEALTHZ, READYZ, METRICS)  # no credential needed
+MAX_WRITE_RATE = 1e6  # writes a second: the most a probe may tell one agent (names.HEADER_WRITE_RATE)
 PROTECTED_PREFIX = "/v1/"
 
 
@@ -163,6 +164,7 @@ class AgentInfo:
     nixl_agents: tuple[str, ...] = ()  # every live one (active and sealed)
     started_at: str = ""
     endpoint: str = ""
+    write_rate: float | None = None  # the pod's share of the fleet's write budget as last told (writes/s)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -174,6 +176,7 @@ class AgentInfo:
             "nixlAgents": list(self.nixl_agents),
             "startedAt": self.started_at,
             "endpoint": self.endpoint,
+            "writeRate": self.write_rate,
         }
 
     @classmethod
@@ -187,6 +190,7 @@ class AgentInfo:
             nixl_agents=tuple(str(n) for n in data.get("nixlAgents") or ()),
             started_at=str(data.get("startedAt", "")),
             endpoint=str(data.get("endpoint", "")),
+            write_rate=None if data.get("writeRate") is None else float(data["writeRate"]),
         )
 
 

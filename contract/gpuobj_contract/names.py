@@ -48,6 +48,8 @@ TOKEN_ENV = "GPUOBJ_TOKEN_FILE"
 AGENT_AUDIENCE = "gpuobj.io/agent"
 # The operator names the pod uid it means on every control call; an agent serving another pod refuses (409).
 HEADER_POD_UID = "Gpuobj-Pod-UID"
+# The operator's probe tells an agent its pod's share of the fleet's write budget (writes a second; 0: none).
+HEADER_WRITE_RATE = "Gpuobj-Write-Rate"
 
 # Object states (status.state) and condition types.
 STATE_PENDING = "Pending"

@@ -90,6 +90,11 @@ class AgentSeam(Protocol):
         agent's loop)."""
         ...
 
+    def told_write_rate(self) -> float | None:
+        """This pod's share of the fleet's write budget (writes a second) as the operator last told the
+        agent on a probe, or None: no budget (docs/write-behind.md, "A budget the fleet shares")."""
+        ...
+
 
 @runtime_checkable
 class ReadingAgent(Protocol):

@@ -144,3 +144,69 @@ class InFlightLimit:
     def _wake(self) -> None:
         if self.in_flight < self.limit:
             self._room.set()
+
+
+BURST_S = 1.0  # a pod may send this many seconds of its share at once (one write at least)
+
+
+class FleetPace:
+    """Paces one process's API writes at its share of a cluster-wide budget the operator tells its agent.
+
+    Why: each pod's own back-off (``InFlightLimit``) reacts to answers, and 1,000 pods that start writing
+    in the same second send 1,000 writes before any answer comes back; the API server queues them for
+    seconds. Only a budget the fleet shares spreads them: the operator divides a cluster budget (writes a
+    second, a chart value) by the agents it probes, and tells each its share on every probe
+    (docs/write-behind.md, "A budget the fleet shares").
+
+    The schedule is a virtual clock, as the generic cell rate algorithm keeps one: ``_next`` is when the
+    next write is due; each write moves it on by ``1 / rate``. A write may run ``tolerance`` early (a
+    second's worth of the share, less one write), so a pod with a large share bursts; a pod whose share
+    is under one write a second gets no burst at all. A pod that has been idle starts its next write at
+    a random phase in one interval: pods that a barrier lets go together (a ramp, a job's next step) come
+    back spread over the interval, not at once. Without a told rate (None or 0) nothing waits.
+    """
+
+    def __init__(
+        self,
+        rate: Callable[[], float | None],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        draw: Callable[[], float] = random.random,
+    ) -> None:
+        self.rate = rate
+        self.clock = clock
+        self.draw = draw
+        self._next = float("-inf")  # when the next write is due (the virtual clock)
+        self._interval = 0.0  # 1 / the rate the schedule was made at
+        self.waits = 0  # writes that waited for their slot (the client's stats)
+        self.waited_s = 0.0  # seconds they waited in all
+
+    def reserve(self) -> float:
+        """Take the next slot: the seconds until it (0: now). Pure but for the clock and the draw."""
+        rate = self.rate()
+        if not rate or rate <= 0:
+            return 0.0
+        now, interval = self.clock(), 1.0 / rate
+        if interval != self._interval:
+            # A new share: a slot planned at a slower rate must not hold the first write at the new one.
+            self._next = min(self._next, now + interval)
+            self._interval = interval
+        if self._next < now:  # idle: start again at a random phase within one interval
+            self._next = now + self.draw() * interval
+        tolerance = max(0.0, BURST_S - interval)
+        start = max(now, self._next - tolerance)
+        if start - now < 1e-6:  # a rounding error of the virtual clock is no wait
+            start = now
+        self._next += interval
+        if start > now:
+            self.waits += 1
+            self.waited_s += start - now
+        return start - now
+
+    def give_back(self, delay: float) -> None:
+        """A write that was to wait ``delay`` seconds for its slot will not be sent (it was taken back):
+        its slot is free again when it was the last one taken."""
+        if self._interval and delay > 0:
+            self._next = max(self.clock(), self._next - self._interval)
+            self.waits -= 1
+            self.waited_s -= delay

@@ -140,6 +140,7 @@ class ClientCore:
                 on_record_pending=agent.set_record_pending,  # our agent tells the audit
                 pod_uid=self._pod_uid,
                 on_private=agent.set_private if record == "shared" else None,
+                write_rate=agent.told_write_rate,  # the operator tells our agent the pod's share of the budget
                 **options,
             )
             handoff_route.bind(agent.incarnation, self.handoff_sink)
@@ -486,6 +487,18 @@ class ClientCore:
         ref.release()  # queues it (any thread may release); drain now so an elided free happens before we return
         await self.releases.drain()
         await self.sources.settle(min(self.timeout / 2, handoff.PATIENCE))  # a hand-off's goes on past this
+
+    async def written(self, ref: ObjectRef, timeout: float) -> bool:
+        """Wait until every API write about this reference has landed (its record; after a release, its
+        delete): False if one still waits after ``timeout`` s. Under a fleet write budget a record may wait
+        seconds for its slot (docs/write-behind.md)."""
+        record = ref._record
+        if record is None or not record.pending:
+            return True
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await record.landed.wait()
+        return not record.pending
 
     async def flush(self, timeout: float | None = None) -> None:
         """Send every queued release and API write now and wait until all have landed (or their sources took them)."""

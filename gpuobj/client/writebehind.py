@@ -38,6 +38,10 @@ writes and return; the queue sends them in the background. What must still hold:
   queues filling): the limit halves, and grows back by one per round of writes that land; under one it
   paces the writes, one at a time with a gap (congestion.py). A fleet of pods cannot be bounded from one
   of them; each backing off is what keeps the API server's queue short.
+- The fleet's budget: when the operator tells this pod's agent a write rate (its share of a cluster-wide
+  budget, `--fleet-write-budget`), each write waits for its slot at that rate (congestion.FleetPace). A
+  family whose first write still waits for its slot when its last reference goes is taken back, as
+  inside the window: the API server never sees it.
 - Bounded memory and backpressure: at most `max_pending` writes wait. A create that finds
   the queue full waits for room, and after `backpressure_timeout` raises
   WriteBehindFullError naming the last API error. Releases are never refused (a release is
@@ -58,7 +62,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuobj.client.congestion import InFlightLimit, jittered
+from gpuobj.client.congestion import FleetPace, InFlightLimit, jittered
 from gpuobj.client.errors import GpuObjError, NameTakenError, PermissionDeniedError, PodNotFoundError
 from gpuobj_contract import resources as crd
 from gpuobj_kube.client import CLAIMS, GPUOBJECTS, ApiError, ApiTimeout, Conflict, KubeClient, NotFound
@@ -131,7 +135,9 @@ class Family:
     object_id: str | None = None  # a local object (this process is its source): freed by us if elided
     writes: deque[Write] = field(default_factory=deque)
     records: dict[str, Record] = field(default_factory=dict)  # by (kind:name)
-    started: bool = False  # a write went to the API: elision is no longer possible
+    started: bool = False  # its window ended: its writes go out (elision only while none has been sent)
+    sent: bool = False  # a write of it went to the API: elision is no longer possible
+    slot: asyncio.Event | None = None  # set while its first write waits for its slot in the fleet's budget
     held: Write | None = None  # a private object's create, queued only once the object is shared
     running: bool = False
     failed: BaseException | None = None
@@ -177,12 +183,15 @@ class WriteBehind:
         on_record_pending: Callable[[str, bool], None] | None = None,
         pod_uid: PodUidFn | None = None,
         on_private: Callable[[str, bool], None] | None = None,
+        write_rate: Callable[[], float | None] | None = None,
     ) -> None:
         """``on_record_pending(object_id, pending)``: told when an object's create is queued (True) and
         when it landed, was taken back or failed (False): the local agent's inventory says so.
         ``pod_uid``: reads a receiver pod's uid for a claim queued without one (`create_claim(owner_pod=)`).
         ``on_private(object_id, private)``: told when a private object's create is held (True) and when it
-        is queued, taken back or freed (False); without it (policy "all") no object is private."""
+        is queued, taken back or freed (False); without it (policy "all") no object is private.
+        ``write_rate()``: this pod's share of the fleet's write budget (writes a second) as the operator last
+        told our agent, or None (no budget): each write waits for its slot (congestion.FleetPace)."""
         self.kube = kube
         self.pod_uid = pod_uid
         self.free_local = free_local
@@ -198,10 +207,19 @@ class WriteBehind:
         self.pending_writes = 0
         self.last_error: str | None = None
         self.failing_since: float | None = None
-        self.counts = {"sent": 0, "elided_families": 0, "retries": 0, "failed": 0, "private": 0}
+        self.counts = {
+            "sent": 0,
+            "elided_families": 0,
+            "elided_while_paced": 0,
+            "retries": 0,
+            "failed": 0,
+            "private": 0,
+        }
         self.unreported: list[BaseException] = []  # refusals for good that no flush has raised yet
         # Slow start from 1 (congestion.py): a fleet that starts at once does not open at its ceiling.
         self.in_flight = InFlightLimit(concurrency, initial=1)
+        # This pod's share of the fleet's write budget, as the operator last told its agent (None: no budget).
+        self.pace = FleetPace(write_rate or (lambda: None))
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._timers: set[asyncio.TimerHandle] = set()
@@ -346,8 +364,12 @@ class WriteBehind:
         rec.live = False
         if rec.failed is not None and fam.failed is None:
             return ReleaseOutcome(False)  # a claim refused for good: nothing in the API to delete
-        if not fam.started and fam.failed is None and not fam.live:
-            # The whole family lived inside the window: none of its writes went out. Take them back.
+        if (not fam.started or fam.slot is not None) and fam.failed is None and not fam.live:
+            # The whole family lived inside the window, or until its first write's slot in the fleet's
+            # budget: none of its writes went out. Take them back.
+            if fam.slot is not None:
+                fam.slot.set()  # its writer stops waiting, gives its slot back and sends nothing
+                self.counts["elided_while_paced"] += 1
             self._drop(fam)
             self.counts["elided_families"] += 1
             return ReleaseOutcome(True, fam.object_id)
@@ -405,6 +427,8 @@ class WriteBehind:
             try:
                 while fam.writes:
                     w = fam.writes[0]
+                    if not await self._wait_slot(fam):
+                        break  # taken back while it waited: nothing of it was sent
                     outcome = await self._send_retrying(fam, w)
                     if fam.writes and fam.writes[0] is w:
                         fam.writes.popleft()
@@ -445,9 +469,32 @@ class WriteBehind:
             fam.failed = error
         self.unreported.append(error)
 
+    async def _wait_slot(self, fam: Family) -> bool:
+        """Wait for this write's slot in the pod's share of the fleet's budget (congestion.FleetPace).
+        False when the family was taken back meanwhile: its first write never went out, so none does."""
+        delay = self.pace.reserve()
+        if delay <= 0:
+            return True
+        if fam.sent:
+            await asyncio.sleep(delay)
+            return True
+        fam.slot = taken_back = asyncio.Event()
+        due = time.monotonic() + delay
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await taken_back.wait()
+        finally:
+            fam.slot = None
+        if taken_back.is_set():
+            self.pace.give_back(max(0.0, due - time.monotonic()))
+            return False
+        return True
+
     async def _send_retrying(self, fam: Family, w: Write) -> str:
         delay = BACKOFF_START
         forbidden_since: float | None = None
+        fam.sent = True
         while True:
             throttled_before = self.kube.throttled
             started = time.monotonic()
@@ -624,6 +671,9 @@ class WriteBehind:
             "inFlightLimit": self.in_flight.limit,
             "throttledCuts": self.in_flight.cuts,
             "slowWrites": self.in_flight.slow_writes,
+            "fleetRate": self.pace.rate(),
+            "pacedWrites": self.pace.waits,
+            "pacedSeconds": round(self.pace.waited_s, 3),
             **self.counts,
         }
 

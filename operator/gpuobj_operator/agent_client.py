@@ -127,6 +127,7 @@ class AgentClient:
         pod_uid: str,
         body: dict[str, Any] | None = None,
         timeout: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         if not pod_uid:
             raise AgentError(409, f"no pod uid to hold the agent at {endpoint} to; refusing to call it")
@@ -142,7 +143,7 @@ class AgentClient:
                 url,
                 **verify,
                 json=body,
-                headers={"Authorization": f"Bearer {self._token()}", names.HEADER_POD_UID: pod_uid},
+                headers={"Authorization": f"Bearer {self._token()}", names.HEADER_POD_UID: pod_uid, **(headers or {})},
                 timeout=aiohttp.ClientTimeout(total=timeout or self.timeout),
                 allow_redirects=False,
             ) as resp:
@@ -200,9 +201,13 @@ class AgentClient:
             token = part.continue_token
         raise AgentError(502, f"the agent at {endpoint} answered more than {MAX_INVENTORY_PAGES} inventory pages")
 
-    async def info(self, endpoint: str, *, pod_uid: str, timeout: float | None = None) -> AgentInfo:
+    async def info(
+        self, endpoint: str, *, pod_uid: str, timeout: float | None = None, write_rate: float | None = None
+    ) -> AgentInfo:
+        """Whose agent answers; ``write_rate`` tells it the pod's share of the fleet's write budget (0: none)."""
+        told = None if write_rate is None else {names.HEADER_WRITE_RATE: f"{write_rate:.6g}"}
         return AgentInfo.from_json(
-            await self._call(api.INFO, endpoint, api.INFO.path(), pod_uid=pod_uid, timeout=timeout)
+            await self._call(api.INFO, endpoint, api.INFO.path(), pod_uid=pod_uid, timeout=timeout, headers=told)
         )
 
     async def materialize(

@@ -106,6 +106,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         resync_interval=args.resync_interval,
         status_delay=args.status_delay,
         liveness_interval=args.liveness_interval,
+        fleet_write_budget=args.fleet_write_budget,
         claims_read_delay=read_delay,
         quota=QuotaLimits(MappingProxyType(dict(args.namespace_quota)), args.default_namespace_quota),
         claim_ttl=ClaimTTLDefaults(MappingProxyType(dict(args.namespace_claim_ttl))),
@@ -185,6 +186,14 @@ def build_parser() -> argparse.ArgumentParser:
         "pod watch, and a restart or a new share asks for a probe at once (docs/liveness.md); 0 disables",
     )
     p.add_argument(
+        "--fleet-write-budget",
+        type=_flag(_writes_per_second),
+        default=env("GPUOBJ_FLEET_WRITE_BUDGET", "0"),
+        help="API writes a second that the workloads' pods may send together (records, claims, releases): each "
+        "probe tells a pod's agent its share, this divided by the agents probed, and the pod's write-behind "
+        "paces its writes at it (docs/write-behind.md). 0: no budget, each pod backs off on its own",
+    )
+    p.add_argument(
         "--claims-read-delay",
         type=float,
         default=None,
@@ -259,3 +268,11 @@ def _flag(read: Callable[[str], T]) -> Callable[[str], T]:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return parsed
+
+
+def _writes_per_second(text: str) -> float:
+    """A rate of writes a second: a finite number, 0 or more (NaN and infinity are refused)."""
+    rate = float(text)
+    if not 0 <= rate < float("inf"):
+        raise ValueError(f"a number of writes a second, 0 or more, not {text!r}")
+    return rate

@@ -154,6 +154,8 @@ class Intake:
         if event_type == "DELETED":
             self.ledger.liveness.forget(info.key)
             self.prober.forget(info.key)
+        elif info.endpoint and not info.terminated and not _had_agent(self.ledger.pods.get(info.key), info.uid):
+            self.prober.new_agent(info.key)  # its share of the fleet's write budget, before it writes
         elif self.ledger.liveness.observe_container(info.key, info.uid, info.agent_container, time.monotonic()):
             # The kubelet reports a restart: the ended run's records go by its times (liveness.py); for
             # the rest, ask the agent now which process lives instead of at the next backstop probe.
@@ -167,6 +169,11 @@ class Intake:
         # lane now; the claims themselves are the garbage collector's to delete.
         self.enqueue((item for item in dirty if item[0] == "object"), urgent=True)
         self.enqueue(item for item in dirty if item[0] != "object")
+
+
+def _had_agent(known: PodInfo | None, uid: str) -> bool:
+    """Whether the ledger already held this pod (this uid) with an agent address to probe."""
+    return known is not None and known.uid == uid and bool(known.endpoint) and not known.terminated
 
 
 def _identity(raw: Mapping[str, Any]) -> tuple[Key, str]:

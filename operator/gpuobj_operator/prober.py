@@ -18,6 +18,7 @@ from gpuobj_operator.agent_client import AgentClient, AgentError, AgentGone, Age
 from gpuobj_operator.ledger import Ledger
 from gpuobj_operator.model import Key, PodInfo
 from gpuobj_operator.settings import Settings
+from gpuobj_operator.write_budget import write_share
 
 log = logging.getLogger("gpuobj.operator")
 
@@ -42,6 +43,10 @@ class Prober:
         self._probe_asked: dict[Key, float] = {}  # pod -> when a probe was asked for at once (a share, a restart)
         self._probe_started: dict[Key, float] = {}  # pod -> start of its last probe
         self._probe_wake: asyncio.Event | None = None
+        # Each agent's share of the fleet's write budget, told on every probe: made again each round from
+        # the agents there are then (write_budget.py); 0 (no budget) is told too, so a budget turned off
+        # reaches every agent at its next probe.
+        self.write_share = 0.0
 
     def forget(self, pod: Key) -> None:
         """The pod is gone: nothing to probe. A probe of it still in flight finds its start gone and
@@ -51,7 +56,8 @@ class Prober:
         self._probe_started.pop(pod, None)
 
     async def run(self) -> None:
-        """Probe every agent pod's /v1/info: which process (incarnation) lives, or none (see liveness.py)."""
+        """Probe every agent pod's /v1/info: which process (incarnation) lives, or none (see liveness.py);
+        each probe also tells the agent its pod's share of the fleet's write budget."""
         limit = asyncio.Semaphore(32)
         self._probe_wake = wake = asyncio.Event()
 
@@ -68,6 +74,7 @@ class Prober:
             wake.clear()
             now = time.monotonic()
             pods = self.ledger.agent_pods() if self.ledger.synced else []
+            self.write_share = write_share(self.settings.fleet_write_budget, len(pods), self.settings.shard.count)
             due = [p for p in pods if self._probe_due.get(p.key, 0.0) <= now]
             if due:
                 await asyncio.gather(*(one(p) for p in due), return_exceptions=True)
@@ -79,6 +86,13 @@ class Prober:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):  # not wait_for: on 3.11 it may swallow a shutdown's cancel
                     await wake.wait()
+
+    def new_agent(self, pod: Key) -> None:
+        """A pod whose agent the operator has not probed yet: with a fleet write budget, probe it now, and
+        every ASKED_PROBE_GAP until its agent answers, so that it learns its share before its first writes
+        rather than at the next backstop round (up to half a liveness interval later)."""
+        if self.settings.fleet_write_budget > 0:
+            self.probe_soon(pod)
 
     def probe_soon(self, pod: Key) -> None:
         """Probe this pod's agent now: a share just named it, and the process alive now is the one the
@@ -105,7 +119,12 @@ class Prober:
         liveness = self.ledger.liveness
         failure: AgentError | AgentUnreachable | None = None
         try:
-            info = await self.agents.info(pod.endpoint, pod_uid=pod.uid, timeout=self.settings.probe_timeout)  # type: ignore[arg-type]
+            info = await self.agents.info(
+                pod.endpoint,  # type: ignore[arg-type]
+                pod_uid=pod.uid,
+                timeout=self.settings.probe_timeout,
+                write_rate=self.write_share,
+            )
         except (AgentError, AgentUnreachable) as exc:
             failure = exc
         if self._forgotten(pod, started):

@@ -28,6 +28,9 @@ class Settings:
     liveness_interval: float = 20.0  # seconds between backstop probes of each agent (docs/liveness.md)
     liveness_max_backoff: float = 60.0  # the longest gap between probes while they fail
     probe_timeout: float = 2.0
+    # API writes a second that all agents' pods may send together, split between them on each probe
+    # (write_budget.py); 0: none, each pod backs off on its own (docs/write-behind.md).
+    fleet_write_budget: float = 0.0
     # Seconds a free waits for the claims watch before it also reads the claims (docs/operator-free-path.md).
     claims_read_delay: float = 0.05
     # Byte quotas per namespace (quota.py; chart values quota.namespaces and quota.default).

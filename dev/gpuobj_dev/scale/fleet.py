@@ -305,6 +305,24 @@ class Fleet:
         pod.owned[ref.address.object_id] = ref
         return ref
 
+    async def recorded(self, pod: FleetPod, ref: ObjectRef, timeout: float) -> bool:
+        """Until the object's record landed (a fleet write budget may hold it for its slot); False after timeout."""
+        assert pod.core is not None
+        return await pod.core.written(ref, timeout)
+
+    def pacing(self) -> dict[str, float]:
+        """The fleet's write-behinds summed: how the fleet write budget paced them (congestion.FleetPace)."""
+        stats = [p.core.wb.stats() for p in self.pods.values() if p.core is not None and p.core.wb is not None]
+        rates = sorted(s["fleetRate"] for s in stats if s["fleetRate"])
+        return {
+            "told": len(rates),
+            "rate_median": rates[len(rates) // 2] if rates else 0.0,
+            "paced_writes": sum(s["pacedWrites"] for s in stats),
+            "paced_s": sum(s["pacedSeconds"] for s in stats),
+            "sent": sum(s["sent"] for s in stats),
+            "elided_while_paced": sum(s["elided_while_paced"] for s in stats),
+        }
+
     async def release_owner(self, pod: FleetPod, object_id: str) -> None:
         """The producer drops its own reference (the bytes live on while a claim holds them)."""
         assert pod.core is not None

@@ -100,6 +100,7 @@ class FleetAgent:
         self.config = config
         self.incarnation = secrets.token_hex(8)
         self.started_wall = time.time()
+        self.write_rate: float | None = None  # the pod's share of the fleet's write budget, as last told
         self.tokens = ServiceAccountAuth(
             keys, audience=config.audience, operators=frozenset(config.operator_service_accounts)
         )
@@ -151,10 +152,16 @@ class FleetAgent:
     # -- what the control server serves (gpuobj_agent.server.Served) --------------------------
     def info(self) -> api.AgentInfo:
         self._on_info()  # the operator's liveness traffic, counted per agent
-        return self.store.agent_info(started_wall=self.started_wall, endpoint=self.endpoint)
+        return self.store.agent_info(started_wall=self.started_wall, endpoint=self.endpoint, write_rate=self.write_rate)
 
     def inventory(self) -> api.Inventory:
         return self.store.inventory()
+
+    def tell_write_rate(self, per_second: float) -> None:
+        self.write_rate = per_second or None
+
+    def told_write_rate(self) -> float | None:
+        return self.write_rate
 
     # -- what the client core calls on its pod's agent (gpuobj.client.agent_seam.AgentSeam) ---------
     serves_tls = False  # the fleet's control servers speak plain HTTP

@@ -84,6 +84,7 @@ class Ramp:
     shared_s: float = 0.0  # the shared puts, until their writes landed
     fleet_rss_mib: tuple[float, float] = (0.0, 0.0)  # the fleet process, agents up / every object put
     shared_writes_by_answer: dict[str, float] = field(default_factory=dict)  # per shared object, "VERB res code"
+    pacing: dict[str, float] = field(default_factory=dict)  # the fleet write budget's pacing (Fleet.pacing)
 
 
 async def ramp(
@@ -188,6 +189,7 @@ async def ramp(
         shared_s,
         (rss0, rss_mib(os.getpid())),
         {k: v / max(1, n_shared) for k, v in shared_w.object_writes_by_answer().items()},
+        fleet.pacing(),
     )
 
 
@@ -507,6 +509,7 @@ class ChurnStep:
     other_writes: float = 0.0  # the window's writes that are not object writes (Leases: kwok's, the operator's)
     late_max_s: float = 0.0  # the launcher's worst lateness against its schedule
     late_p99_s: float = 0.0
+    pacing: dict[str, float] = field(default_factory=dict)  # this step's pacing by the fleet write budget
 
 
 @dataclass
@@ -519,7 +522,7 @@ class Churn:
 
 
 async def churn(h: ScaleHarness, rates: list[float], step_seconds: float, hold: float, progress: Progress) -> Churn:
-    """Recorded lifecycles (a named put, held `hold` s past the write-behind window, released) at rising
+    """Recorded lifecycles (a named put, held `hold` s and until its record landed, released) at rising
     rates."""
     fleet = h.fleet
     assert fleet is not None
@@ -531,6 +534,7 @@ async def churn(h: ScaleHarness, rates: list[float], step_seconds: float, hold: 
         keys: list[Key] = []
         tasks: set[asyncio.Task] = set()
         before = await scrape(h)
+        paced_before = fleet.pacing()
 
         async def lifecycle(pod: FleetPod, i: int, keys: list[Key] = keys, rate: float = rate) -> None:
             # Named, so recorded under either policy: an unnamed object nobody shares is private under
@@ -538,6 +542,9 @@ async def churn(h: ScaleHarness, rates: list[float], step_seconds: float, hold: 
             ref = await fleet.put(pod, f"churn-{rate:g}-{i}")
             keys.append((pod.name, ref.address.object_id))
             await asyncio.sleep(hold)
+            # Released once recorded: under a fleet write budget the create may still wait for its slot, and
+            # a release then would take it back unwritten (docs/write-behind.md), not a recorded lifecycle.
+            await fleet.recorded(pod, ref, 60.0)
             await fleet.release_owner(pod, ref.address.object_id)
 
         t0 = time.monotonic()
@@ -569,6 +576,7 @@ async def churn(h: ScaleHarness, rates: list[float], step_seconds: float, hold: 
             window.writes() - window.object_writes(),
             late[-1] if late else 0.0,
             late[min(len(late) - 1, int(0.99 * len(late)))] if late else 0.0,
+            {k: v if k in ("told", "rate_median") else v - paced_before[k] for k, v in fleet.pacing().items()},
         )
         out.steps.append(step)
         progress(

@@ -39,7 +39,12 @@ LIVENESS_WINDOW_S = 40.0
 CIDRS = tuple(f"10.{n}.0.0/16" for n in range(219, 230))
 # Production probing and audit intervals; only the leak grace is short, so the orphan test need not wait,
 # and the resync (every record decided again) comes every 10 s, so the idle window holds two of them.
-OPERATOR_ARGS = ["--leak-settle", "0.5", "--leak-grace", "2", "--resync-interval", "10"]
+# A fleet write budget of 10 writes a second per pod: told on every probe, pacing hardly anything here.
+FLEET_WRITE_BUDGET = 10.0 * PODS
+OPERATOR_ARGS = [
+    *("--leak-settle", "0.5", "--leak-grace", "2", "--resync-interval", "10"),
+    *("--fleet-write-budget", str(FLEET_WRITE_BUDGET)),
+]
 IDLE_WINDOW_S = 25.0
 
 pytestmark = pytest.mark.skipif(can_route() is not None, reason=f"scale harness: {can_route()}")
@@ -113,6 +118,31 @@ def test_fleet_agents_verify_real_tokens(run: Run) -> None:
     assert run(ask(api_audience)) == 401  # a token for the API server is not one for the agent
     assert run(ask(_forged_token(ns))) == 401  # the operator's name, signed by a foreign key
     assert run(ask(workload)) == 403  # a real pod's token: authenticated, but not the operator
+
+
+def test_every_agent_is_told_its_share_of_the_fleet_write_budget(run: Run) -> None:
+    """The operator divides --fleet-write-budget by the agents it probes and tells each its share on every
+    probe; the pod's write-behind reads it from its agent. A share told while fewer pods had started was
+    larger: the next backstop probe (every 20 s) tells the share of the fleet as it is."""
+    fleet = run.h.fleet
+
+    async def told() -> list[float | None]:
+        return [p.agent.told_write_rate() for p in fleet.alive()]  # on the fleet's loop, where it is set
+
+    share = FLEET_WRITE_BUDGET / len(fleet.alive())
+    rates = wait_until(
+        lambda: (r := run(told())) and all(x == pytest.approx(share) for x in r) and r,
+        f"every agent told {share:g} writes/s",
+        timeout=60,
+        interval=0.5,
+    )
+    assert len(rates) == PODS
+    pacing = run(_pacing(fleet))
+    assert pacing["told"] == PODS and pacing["rate_median"] == pytest.approx(share)  # what each write-behind reads
+
+
+async def _pacing(fleet) -> dict[str, float]:
+    return fleet.pacing()
 
 
 def test_liveness_traffic_within_its_per_pod_budget(run: Run) -> None:

@@ -8,7 +8,7 @@ from urllib.parse import quote
 import pytest
 
 from gpuobj_contract import agent_api as api
-from gpuobj_contract import metric_names
+from gpuobj_contract import metric_names, names
 from gpuobj_dev.testing.agent_workload import AgentProcess
 
 from .conftest import TOKEN, settle
@@ -223,3 +223,19 @@ def test_info_and_every_inventory_page_read_back_through_the_contracts_shapes(ag
     for object_id in ids:
         assert agent.request("POST", f"/v1/objects/{object_id}/free", {})[1]["freed"]
     settle(lambda: _stats(agent))
+
+
+def test_the_operators_probe_tells_the_write_rate_and_a_bad_one_changes_nothing(agent):
+    """The operator's probe carries the pod's share of the fleet's write budget (docs/write-behind.md);
+    INFO answers what the agent was last told. A probe without the header leaves it as it was."""
+    told = {names.HEADER_WRITE_RATE: "2.5"}
+    status, info = agent.request("GET", "/v1/info", headers=told)
+    assert status == 200 and info["writeRate"] == 2.5
+    assert agent.request("GET", "/v1/info")[1]["writeRate"] == 2.5
+    for bad in ("fast", "-1", "nan", "inf", "1e9"):
+        status, answer = agent.request("GET", "/v1/info", headers={names.HEADER_WRITE_RATE: bad})
+        assert status == 400 and names.HEADER_WRITE_RATE in answer["error"], (bad, answer)
+    assert agent.request("GET", "/v1/info")[1]["writeRate"] == 2.5
+    status, answer = agent.request("GET", "/v1/info", headers=told, auth=agent.reader_token)
+    assert status == 403, answer  # a reader's token opens the read routes only
+    assert agent.request("GET", "/v1/info", headers={names.HEADER_WRITE_RATE: "0"})[1]["writeRate"] is None

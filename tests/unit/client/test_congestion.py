@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 
-from gpuobj.client.congestion import InFlightLimit
+import pytest
+
+from gpuobj.client.congestion import FleetPace, InFlightLimit
 
 
 class Clock:
@@ -116,3 +118,77 @@ def test_the_floor_must_be_positive_and_at_most_the_ceiling() -> None:
         except ValueError:
             continue
         raise AssertionError(f"floor {floor} accepted")
+
+
+# ---------------------------------------------------------------- the fleet's budget (FleetPace)
+
+
+class Draw:
+    """The random phase, scripted."""
+
+    def __init__(self, *values: float) -> None:
+        self.values = list(values)
+
+    def __call__(self) -> float:
+        return self.values.pop(0)
+
+
+def pace(rate: float | None, *draws: float) -> tuple[FleetPace, Clock, list[float | None]]:
+    clock, told = Clock(), [rate]
+    return FleetPace(lambda: told[0], clock=clock, draw=Draw(*draws)), clock, told
+
+
+def test_without_a_told_rate_no_write_waits() -> None:
+    for rate in (None, 0.0):
+        p, _, _ = pace(rate)
+        assert [p.reserve() for _ in range(100)] == [0.0] * 100
+        assert p.waits == 0
+
+
+def test_a_small_share_spaces_every_write_one_interval_apart_from_a_random_first_phase() -> None:
+    p, clock, _ = pace(0.2, 0.5)  # 1,000 pods at 200 writes/s: one write per 5 s each, no burst
+    assert p.reserve() == 2.5  # the first write waits for its random phase: half of one interval
+    assert p.reserve() == 7.5  # the next one interval later, whoever asks
+    clock.now = 7.5
+    assert p.reserve() == 5.0
+    assert p.waits == 3 and p.waited_s == 15.0
+
+
+def test_pods_let_go_together_spread_their_first_writes_over_one_interval() -> None:
+    firsts = []
+    for i in range(10):
+        p, _, _ = pace(0.2, i / 10)
+        firsts.append(p.reserve())
+    assert firsts == [pytest.approx(0.5 * i) for i in range(10)]  # 10 pods, 5 s apart / 10
+
+
+def test_a_large_share_bursts_one_second_of_it_then_paces() -> None:
+    p, _, _ = pace(20.0, 0.0)  # 10 pods at 200 writes/s: 20 each
+    delays = [p.reserve() for _ in range(22)]
+    assert delays[:20] == [0.0] * 20  # one second's worth at once (the first at its phase, 0 here)
+    assert delays[20] == pytest.approx(0.05) and delays[21] == pytest.approx(0.10)
+
+
+def test_an_idle_pod_starts_again_at_a_random_phase() -> None:
+    p, clock, _ = pace(0.5, 0.0, 0.4)
+    assert p.reserve() == 0.0
+    clock.now = 100.0  # long idle: the schedule does not let it send everything it missed at once
+    assert p.reserve() == pytest.approx(0.8)  # 0.4 of a 2 s interval
+    assert p.reserve() == pytest.approx(2.8)
+
+
+def test_a_larger_share_told_later_does_not_wait_out_a_slot_planned_at_the_old_rate() -> None:
+    p, _, told = pace(0.1, 0.9)  # a 10 s interval: the first slot at 9 s
+    assert p.reserve() == 9.0  # slot at 9; the next would be at 19
+    told[0] = 10.0  # the fleet shrank: a 0.1 s interval
+    assert p.reserve() == pytest.approx(0.0)  # within the new burst tolerance
+    told[0] = None
+    assert p.reserve() == 0.0
+
+
+def test_a_write_taken_back_gives_its_slot_back() -> None:
+    p, _, _ = pace(0.2, 0.5)
+    delay = p.reserve()
+    p.give_back(delay)
+    assert p.waits == 0 and p.waited_s == 0.0
+    assert p.reserve() == 2.5  # the same slot again

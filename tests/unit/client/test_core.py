@@ -62,6 +62,9 @@ class Agent:
     def set_private(self, object_id: str, private: bool) -> None:
         (self.private.add if private else self.private.discard)(object_id)
 
+    def told_write_rate(self) -> float | None:
+        return None
+
 
 class Api:
     """GPUObjects, claims and pods by (plural, name)."""

@@ -594,3 +594,62 @@ def test_retry_delays_are_jittered_per_pod_within_half_to_the_whole_delay() -> N
     delays = [jittered(0.4, pod.random) for pod in pods]
     assert all(0.2 <= d <= 0.4 for d in delays)
     assert len({round(d, 6) for d in delays}) > 40  # spread, not one wave
+
+
+class Timed(ScriptedApi):
+    """Records when each write reached the API (loop time)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at: list[float] = []
+
+    async def create(self, res, body, namespace):
+        self.at.append(asyncio.get_running_loop().time())
+        return await super().create(res, body, namespace)
+
+
+def test_a_told_write_rate_paces_the_writes_after_a_burst_of_one_second_of_it() -> None:
+    async def go():
+        api, told = Timed(), [4.0]  # 4 writes a second: a burst of one second's worth, then 0.25 s apart
+        wb = WriteBehind(api, free_local=lambda _: None, window=0.0, concurrency=16, write_rate=lambda: told[0])
+        wb.pace.draw = lambda: 0.0  # no random phase: the first write goes at once
+        t0 = asyncio.get_running_loop().time()
+        for i in range(6):
+            await wb.create_object("ns", f"o{i}", body(f"o{i}"), f"oid-{i}")
+        await wb.flush(5)
+        offsets = [at - t0 for at in api.at]
+        assert max(offsets[:4]) < 0.1  # the burst
+        assert offsets[4:] == [pytest.approx(0.25, abs=0.05), pytest.approx(0.5, abs=0.05)]  # then one per slot
+        stats = wb.stats()
+        assert stats["fleetRate"] == 4.0 and stats["pacedWrites"] == 2 and stats["sent"] == 6
+        told[0] = None  # the operator's budget was turned off: nothing waits any more
+        for i in range(6, 12):
+            await wb.create_object("ns", f"o{i}", body(f"o{i}"), f"oid-{i}")
+        await wb.flush(5)
+        assert wb.stats()["pacedWrites"] == 2 and wb.stats()["sent"] == 12
+        await wb.close()
+
+    run(go())
+
+
+def test_a_family_released_while_its_first_write_waits_for_its_slot_is_never_written() -> None:
+    """Past the window but not yet sent (the fleet's budget holds it): taken back like a family inside the
+    window, so an overloaded fleet's short-lived objects never reach the API server at all."""
+
+    async def go():
+        api, freed = ScriptedApi(), []
+        wb = WriteBehind(api, free_local=freed.append, window=0.0, write_rate=lambda: 0.5)
+        wb.pace.draw = lambda: 0.5  # the first slot 1 s away (half of a 2 s interval)
+        await wb.create_object("ns", "o", body("o"), "oid-1")
+        await settle()
+        fam = wb.families[("ns", "o")]
+        assert fam.started and fam.slot is not None and not fam.sent
+        out = wb.release("object", "ns", "o")
+        assert out.elided and out.free_object_id == "oid-1"  # the caller frees its bytes at once
+        await wb.flush(5)
+        await settle()
+        assert api.calls == [] and wb.stats()["elided_while_paced"] == 1
+        assert wb.pace.waits == 0  # its slot went back to the schedule
+        await wb.close()
+
+    run(go())

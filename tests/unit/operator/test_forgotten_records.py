@@ -73,7 +73,7 @@ def test_a_probe_answered_after_its_pod_was_deleted_makes_nothing_of_the_pod_aga
         await r.sync()
         asked, release = asyncio.Event(), asyncio.Event()
 
-        async def info(endpoint: str, *, pod_uid: str, timeout: float | None = None) -> AgentInfo:
+        async def info(endpoint: str, *, pod_uid: str, timeout: float | None = None, **_: object) -> AgentInfo:
             asked.set()
             await release.wait()
             if isinstance(answer, Exception):
@@ -98,7 +98,7 @@ def test_a_probe_of_a_live_pod_still_records_its_answer() -> None:
         r, _, agents, _ = setup()
         await r.sync()
 
-        async def info(endpoint: str, *, pod_uid: str, timeout: float | None = None) -> AgentInfo:
+        async def info(endpoint: str, *, pod_uid: str, timeout: float | None = None, **_: object) -> AgentInfo:
             return AgentInfo(pod="src", namespace=NS, pod_uid="pod-uid-1", incarnation="s-1")
 
         agents.info = info  # type: ignore[attr-defined]

@@ -1,0 +1,88 @@
+"""The fleet's write budget: the share each agent is told on its probes, and a new agent probed at once.
+
+Pure and with stand-ins here; tests/e2e/scale/test_scale.py checks that a real operator's probes reach a
+fleet of real agents' write-behinds, and bench/scale.py measures what the budget does at 1,000 pods."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+
+from gpuobj_contract.agent_api import AgentInfo
+from gpuobj_kube.client import PODS
+from gpuobj_operator.metrics import OperatorMetrics
+from gpuobj_operator.reconciler import Reconciler
+from gpuobj_operator.settings import Settings
+from gpuobj_operator.shards import Shard
+from gpuobj_operator.write_budget import write_share
+from tests.unit.operator.test_executors import NS, FakeAgents, FakeApi, pod_body
+
+
+def test_the_budget_is_split_between_the_shards_then_between_each_ones_agents() -> None:
+    assert write_share(0.0, 1000) == 0.0  # no budget: every agent is told 0 (none)
+    assert write_share(200.0, 1000) == pytest.approx(0.2)
+    assert write_share(200.0, 1000, shards=2) == pytest.approx(0.1)
+    assert write_share(200.0, 0) == 200.0  # before any agent: the whole budget (nobody to tell)
+
+
+class ProbedAgents(FakeAgents):
+    def __init__(self, expect: int = 0) -> None:
+        super().__init__()
+        self.told: dict[str, float | None] = {}
+        self.expect = expect
+        self.all_told = asyncio.Event()
+
+    async def info(self, endpoint, *, pod_uid, timeout=None, write_rate=None):
+        self.told[pod_uid] = write_rate
+        if len(self.told) >= self.expect:
+            self.all_told.set()
+        return AgentInfo(pod="", namespace=NS, pod_uid=pod_uid, incarnation=f"inc-{pod_uid}")
+
+
+def reconciler(budget: float, pods: int, shards: int = 1) -> tuple[Reconciler, ProbedAgents, FakeApi]:
+    api, agents = FakeApi(), ProbedAgents(pods)
+    for i in range(pods):
+        body = copy.deepcopy(pod_body())
+        body["metadata"].update(name=f"p{i}", uid=f"uid-p{i}")
+        api.put(PODS, body)
+    settings = Settings(fleet_write_budget=budget, shard=Shard(shards, 0))
+    box: list[Reconciler] = []
+    r = Reconciler(api, agents, OperatorMetrics(lambda: box[0].ledger), None, settings)  # type: ignore[arg-type]
+    box.append(r)
+    return r, agents, api
+
+
+@pytest.mark.parametrize(("budget", "told"), [(100.0, 25.0), (0.0, 0.0)])
+def test_every_probe_tells_the_agent_its_share_and_no_budget_is_told_as_0(budget: float, told: float) -> None:
+    async def go() -> None:
+        r, agents, _ = reconciler(budget, 4)
+        await r.sync()
+        task = asyncio.create_task(r.prober.run())
+        try:
+            async with asyncio.timeout(10):
+                await agents.all_told.wait()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert agents.told == {f"uid-p{i}": told for i in range(4)}
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("budget", [50.0, 0.0])
+def test_a_new_agent_pod_is_probed_at_once_only_with_a_budget(budget: float) -> None:
+    async def go() -> None:
+        r, _, api = reconciler(budget, 1)
+        await r.sync()
+        body = copy.deepcopy(pod_body())
+        body["metadata"].update(name="new", uid="uid-new")
+        r.on_pod("ADDED", api.put(PODS, body))
+        asked = (NS, "new") in r.prober._probe_asked
+        assert asked == (budget > 0)
+        r.prober.forget((NS, "new"))
+        r.on_pod("MODIFIED", api.put(PODS, body))  # a pod already known is not new
+        assert (NS, "new") not in r.prober._probe_asked
+
+    asyncio.run(go())
