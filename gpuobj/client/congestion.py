@@ -163,7 +163,9 @@ class FleetPace:
     second's worth of the share, less one write), so a pod with a large share bursts; a pod whose share
     is under one write a second gets no burst at all. A pod that has been idle starts its next write at
     a random phase in one interval: pods that a barrier lets go together (a ramp, a job's next step) come
-    back spread over the interval, not at once. Without a told rate (None or 0) nothing waits.
+    back spread over the interval, not at once. A family's first write waits for its slot and the rest
+    of it goes at once (``charge``): the family lands as one change. Without a told rate (None or 0)
+    nothing waits.
     """
 
     def __init__(
@@ -203,10 +205,26 @@ class FleetPace:
             self.waited_s += start - now
         return start - now
 
-    def give_back(self, delay: float) -> None:
-        """A write that was to wait ``delay`` seconds for its slot will not be sent (it was taken back):
-        its slot is free again when it was the last one taken."""
-        if self._interval and delay > 0:
-            self._next = max(self.clock(), self._next - self._interval)
+    def charge(self) -> None:
+        """A write sent without waiting for a slot of its own (the rest of a family whose first write had
+        one): the schedule moves on by one interval all the same, so the writes that come next wait for it.
+        Why: a family's create, claim and the owner's delete sent one interval apart would each land as
+        a change of their own, and the operator would write a status for each; together they settle once."""
+        rate = self.rate()
+        if not rate or rate <= 0:
+            return
+        now, interval = self.clock(), 1.0 / rate
+        if interval != self._interval:
+            self._next = min(self._next, now + interval)
+            self._interval = interval
+        self._next = max(self._next, now) + interval
+
+    def give_back(self, unspent: float) -> None:
+        """A write that waited for its slot will not be sent (it was taken back, ``unspent`` seconds before
+        its slot): the schedule moves back by one interval. A write that reserved after it keeps its slot,
+        so the next one may come within an interval of it: the pod overshoots its share by at most the
+        writes it took back, and only while it has a backlog."""
+        if self._interval and unspent > 0:
+            self._next -= self._interval
             self.waits -= 1
-            self.waited_s -= delay
+            self.waited_s -= unspent

@@ -39,9 +39,10 @@ writes and return; the queue sends them in the background. What must still hold:
   paces the writes, one at a time with a gap (congestion.py). A fleet of pods cannot be bounded from one
   of them; each backing off is what keeps the API server's queue short.
 - The fleet's budget: when the operator tells this pod's agent a write rate (its share of a cluster-wide
-  budget, `--fleet-write-budget`), each write waits for its slot at that rate (congestion.FleetPace). A
-  family whose first write still waits for its slot when its last reference goes is taken back, as
-  inside the window: the API server never sees it.
+  budget, `--fleet-write-budget`), each family's first write waits for its slot at that rate and the
+  rest follow it at once, each moving the schedule on by a slot (congestion.FleetPace). A family whose
+  first write still waits for its slot when its last reference goes is taken back, as inside the
+  window: the API server never sees it.
 - Bounded memory and backpressure: at most `max_pending` writes wait. A create that finds
   the queue full waits for room, and after `backpressure_timeout` raises
   WriteBehindFullError naming the last API error. Releases are never refused (a release is
@@ -425,10 +426,12 @@ class WriteBehind:
         try:
             await self.in_flight.acquire()
             try:
+                first = True  # of this run: it waits for a slot, the writes queued behind it follow
                 while fam.writes:
                     w = fam.writes[0]
-                    if not await self._wait_slot(fam):
+                    if not await self._wait_slot(fam, first):
                         break  # taken back while it waited: nothing of it was sent
+                    first = False
                     outcome = await self._send_retrying(fam, w)
                     if fam.writes and fam.writes[0] is w:
                         fam.writes.popleft()
@@ -469,13 +472,18 @@ class WriteBehind:
             fam.failed = error
         self.unreported.append(error)
 
-    async def _wait_slot(self, fam: Family) -> bool:
-        """Wait for this write's slot in the pod's share of the fleet's budget (congestion.FleetPace).
-        False when the family was taken back meanwhile: its first write never went out, so none does."""
+    async def _wait_slot(self, fam: Family, first: bool) -> bool:
+        """Wait for this family's slot in the pod's share of the fleet's budget (congestion.FleetPace): the
+        first write of a run waits, the writes queued behind it go at once and move the schedule on (a
+        family lands as one change, so the operator settles it with one status). False when the family was
+        taken back while it waited: its first write never went out, so none does."""
+        if not first:
+            self.pace.charge()
+            return True
         delay = self.pace.reserve()
         if delay <= 0:
             return True
-        if fam.sent:
+        if fam.sent:  # a later run of a family already written (its release, a new claim): no taking back
             await asyncio.sleep(delay)
             return True
         fam.slot = taken_back = asyncio.Event()

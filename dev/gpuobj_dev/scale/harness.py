@@ -188,6 +188,15 @@ class ScaleHarness:
     async def kill_operator(self) -> None:
         if self.operator is not None:
             await asyncio.to_thread(self.operator.kill)
+            self.keep_operator_log()
+
+    def keep_operator_log(self) -> None:
+        """The operator's last lines (OperatorProcess keeps 5,000) under logs/, beside kwok's: what a miss
+        needs explained (which path a free took) outlives the run."""
+        if self.operator is not None:
+            logs = self.folder / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            (logs / f"operator-{self.operator_starts}.log").write_text("\n".join(self.operator.lines) + "\n")
 
     # ------------------------------------------------------------ measurement
 
@@ -222,6 +231,8 @@ class ScaleHarness:
         if self.operator is not None:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self.operator.kill)
+            with contextlib.suppress(Exception):
+                self.keep_operator_log()
         with contextlib.suppress(Exception):
             await asyncio.to_thread(self.kwok.stop)
         if self.identities is not None:

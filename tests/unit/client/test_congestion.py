@@ -192,3 +192,14 @@ def test_a_write_taken_back_gives_its_slot_back() -> None:
     p.give_back(delay)
     assert p.waits == 0 and p.waited_s == 0.0
     assert p.reserve() == 2.5  # the same slot again
+
+
+def test_a_charged_write_moves_the_schedule_on_without_waiting() -> None:
+    p, clock, _ = pace(0.5, 0.0)  # a 2 s interval, the first slot now
+    assert p.reserve() == 0.0
+    p.charge()  # the family's second write went with its first
+    p.charge()  # and its third
+    assert p.reserve() == 6.0  # the next family waits for three slots' worth: the share holds on average
+    clock.now = 100.0
+    p.charge()  # idle, then a charge: counted from now
+    assert p._next == 102.0

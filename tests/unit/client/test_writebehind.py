@@ -653,3 +653,30 @@ def test_a_family_released_while_its_first_write_waits_for_its_slot_is_never_wri
         await wb.close()
 
     run(go())
+
+
+def test_a_familys_writes_go_together_at_its_slot_and_the_next_family_waits_for_all_of_them() -> None:
+    """Create, claim and the owner's delete sent one slot apart would land as three changes (three statuses
+    from the operator); sent together they land as one, and the writes after them wait their slots."""
+
+    async def go():
+        api = Timed()  # 2 writes a second: one second's burst is 2 writes, then 0.5 s apart
+        wb = WriteBehind(api, free_local=lambda _: None, window=0.05, concurrency=1, write_rate=lambda: 2.0)
+        wb.pace.draw = lambda: 0.0
+        t0 = asyncio.get_running_loop().time()
+        await wb.create_object("ns", "a", body("a"), "oid-a")
+        await wb.create_claim("ns", "a", "ca", claim_body("ca", "a"))
+        wb.release("object", "ns", "a")  # the producer's reference goes inside the window: queued behind
+        await wb.create_object("ns", "b", body("b"), "oid-b")
+        await wb.flush(10)
+        assert [c[:2] for c in api.calls] == [
+            *(("create", "gpuobjects"), ("create", "gpuobjectclaims"), ("delete", "gpuobjects")),
+            ("create", "gpuobjects"),
+        ]
+        first_a, first_b = api.at[0] - t0, api.at[-1] - t0
+        assert first_a < 0.3  # family a at once (its first write had the burst's slot), all three together
+        assert first_b >= 0.9  # b waits until a's three writes' slots have passed (3 x 0.5 s, less the burst)
+        assert wb.stats()["sent"] == 4
+        await wb.close()
+
+    run(go())
