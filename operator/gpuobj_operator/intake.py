@@ -154,13 +154,13 @@ class Intake:
         if event_type == "DELETED":
             self.ledger.liveness.forget(info.key)
             self.prober.forget(info.key)
-        elif info.endpoint and not info.terminated and not _had_agent(self.ledger.pods.get(info.key), info.uid):
-            self.prober.new_agent(info.key)  # its share of the fleet's write budget, before it writes
         elif self.ledger.liveness.observe_container(info.key, info.uid, info.agent_container, time.monotonic()):
             # The kubelet reports a restart: the ended run's records go by its times (liveness.py); for
             # the rest, ask the agent now which process lives instead of at the next backstop probe.
             self.prober.probe_soon(info.key)
         if event_type != "DELETED":
+            if info.endpoint and not info.terminated and not _had_agent(self.ledger.pods.get(info.key), info.uid):
+                self.prober.new_agent(info.key)  # its share of the fleet's write budget, before it writes
             self.enqueue(self.ledger.upsert_pod(info))
             return
         info.deleted_at = dt.datetime.now(dt.UTC)

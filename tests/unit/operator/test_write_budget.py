@@ -86,3 +86,25 @@ def test_a_new_agent_pod_is_probed_at_once_only_with_a_budget(budget: float) -> 
         assert (NS, "new") not in r.prober._probe_asked
 
     asyncio.run(go())
+
+
+def test_a_new_agent_pods_first_event_still_records_its_container_run() -> None:
+    """The first event that gives a pod an address also carries its first container run: the liveness
+    must see that run, or the next restart would look like a first start and wait for a backstop probe."""
+
+    async def go() -> None:
+        r, _, api = reconciler(50.0, 1)
+        await r.sync()
+        body = copy.deepcopy(pod_body())
+        body["metadata"].update(name="new", uid="uid-new")
+        status = {"name": "w", "restartCount": 0, "containerID": "containerd://a", "state": {"running": {}}}
+        body["status"]["containerStatuses"] = [status]
+        r.on_pod("ADDED", api.put(PODS, body))
+        assert (NS, "new") in r.ledger.liveness.containers
+        r.prober.forget((NS, "new"))
+        restarted = copy.deepcopy(body)
+        restarted["status"]["containerStatuses"] = [{**status, "restartCount": 1, "containerID": "containerd://b"}]
+        r.on_pod("MODIFIED", api.put(PODS, restarted))
+        assert (NS, "new") in r.prober._probe_asked  # the restart was seen as one: probed at once
+
+    asyncio.run(go())
