@@ -397,7 +397,8 @@ async def run(args: argparse.Namespace, handle: ClusterHandle, folder: Path, fig
                 # the idle phase measured them, and this step's window would hold as many.
                 baseline = idle.lease_writes_per_min * step.seconds / 60
                 extra[f"churn at {step.target_per_s:g}/s"] = (
-                    f"achieved {step.achieved_per_s:.2f}/s (launcher late {step.late_p99_s * 1e3:.0f} ms p99,"
+                    f"achieved {step.achieved_per_s:.2f}/s (launched {step.launched_per_s:.2f}/s, landed"
+                    f" {step.landed_per_s:.2f}/s; launcher late {step.late_p99_s * 1e3:.0f} ms p99,"
                     f" {step.late_max_s * 1e3:.0f} ms max), p99 {fmt(step.mutating_p99_s)} s,"
                     f" {step.writes_per_lifecycle:.3f} object writes each, {step.unfreed} unfreed; not counted:"
                     f" {step.other_writes:.0f} other writes in its {step.seconds:.0f} s (idle Lease baseline"
@@ -455,9 +456,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--fleet-write-budget",
         type=float,
-        default=150.0,
+        default=100.0,
         help="the operator's --fleet-write-budget: API writes a second the fleet's pods share (0: none, each pod "
-        "backs off on its own); 150 keeps this 2-core dev control plane's queues short (docs/scale.md)",
+        "backs off on its own); 100 is about what the chart's workloads APF level (10 shares) passes on this "
+        "2-core dev control plane (docs/scale.md, 'A budget the fleet shares')",
     )
     p.add_argument("--audit-interval", type=float, default=10.0, help="the operator's --audit-interval")
     p.add_argument("--leak-grace", type=float, default=30.0, help="the operator's --leak-grace")

@@ -131,6 +131,13 @@ class Intake:
         self.enqueue(self.ledger.upsert_claim(info, now), urgent=info.deleting)
         if not info.deleting and self.ledger.needs_scope(info) and self.ledger.holder_incarnation(info) is None:
             self.prober.probe_soon((info.namespace, info.holder_pod))  # type: ignore[arg-type]
+        elif not info.deleting and info.holder_pod and info.holder_incarnation:
+            # A claim for a process other than the one last seen alive in its pod: a process that died
+            # since (a probe that began before this claim was learned cannot prove that one dead, see
+            # liveness.incarnation_dead), or one not probed yet. Ask now, not at the next backstop round.
+            state = self.ledger.liveness.agents.get((info.namespace, info.holder_pod))
+            if state is not None and state.incarnation != info.holder_incarnation:
+                self.prober.probe_soon((info.namespace, info.holder_pod))
 
     def on_stream(self, event_type: str | None, raw: Mapping[str, Any]) -> None:
         if not self.mine(raw):

@@ -499,7 +499,10 @@ async def storm(h: ScaleHarness, fraction: float, progress: Progress, timeout: f
 @dataclass
 class ChurnStep:
     target_per_s: float
-    achieved_per_s: float  # lifecycles begun per second: the slope fitted over every launch time
+    # Lifecycles per second the cluster took: the lesser of the launch rate and the landed rate. Why both:
+    # a write-behind's put returns before its writes land, and under a fleet write budget they wait for
+    # their slots, so launches alone would count lifecycles the API server has not seen yet.
+    achieved_per_s: float
     lifecycles: int
     mutating_p99_s: float | None
     writes_per_lifecycle: float  # object writes (apimetrics.object_writes): no Lease, node or pod write
@@ -510,6 +513,8 @@ class ChurnStep:
     late_max_s: float = 0.0  # the launcher's worst lateness against its schedule
     late_p99_s: float = 0.0
     pacing: dict[str, float] = field(default_factory=dict)  # this step's pacing by the fleet write budget
+    launched_per_s: float = 0.0  # lifecycles begun per second: the slope fitted over every launch time
+    landed_per_s: float = 0.0  # lifecycles / (first launch to every write landed, less each one's hold)
 
 
 @dataclass
@@ -561,12 +566,14 @@ async def churn(h: ScaleHarness, rates: list[float], step_seconds: float, hold: 
         if tasks:
             await asyncio.wait(tasks, timeout=120)
         await fleet.flush(pods, timeout=300)
+        landed = n / max(step_seconds, time.monotonic() - t0 - hold)
+        launched = launch_rate(starts)
         left = await wait_freed(h, keys, 120, f"churn {rate:g}/s", progress)
         window = (await scrape(h)).minus(before)
         late = sorted(max(0.0, at - i / rate) for i, at in enumerate(starts))
         step = ChurnStep(
             rate,
-            launch_rate(starts),
+            min(launched, landed),
             n,
             window.mutating_p99(),
             window.object_writes() / max(1, n),
@@ -577,6 +584,8 @@ async def churn(h: ScaleHarness, rates: list[float], step_seconds: float, hold: 
             late[-1] if late else 0.0,
             late[min(len(late) - 1, int(0.99 * len(late)))] if late else 0.0,
             {k: v if k in ("told", "rate_median") else v - paced_before[k] for k, v in fleet.pacing().items()},
+            launched,
+            landed,
         )
         out.steps.append(step)
         progress(

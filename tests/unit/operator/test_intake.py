@@ -49,3 +49,22 @@ def test_a_deletion_of_an_earlier_object_of_the_same_name_leaves_the_new_one() -
         assert r.ledger.objects[(NS, "w")].uid == "uid-w"
 
     asyncio.run(go())
+
+
+def test_a_claim_naming_a_process_other_than_the_one_last_seen_asks_for_a_probe_at_once() -> None:
+    """A share made for a process that then died at once (its restart probed before the claim arrived):
+    the claim's process can be proved dead only by a probe begun after the claim was learned, so the
+    claim asks for one; a claim naming the process last seen alive asks nothing."""
+
+    async def go() -> None:
+        r, api, _, _ = setup()
+        await r.sync()
+        r.ledger.liveness.observe_alive((NS, "src"), "pod-uid-1", "inc-new", 1.0)
+        for name, incarnation in (("for-current", "inc-new"), ("for-dead", "inc-old")):
+            body = claim_body(name)
+            body["spec"]["holder"] = {"podName": "src", "incarnation": incarnation}
+            r.prober.forget((NS, "src"))
+            r.on_claim("ADDED", api.put(CLAIMS, body))
+            assert ((NS, "src") in r.prober._probe_asked) == (incarnation == "inc-old"), name
+
+    asyncio.run(go())
