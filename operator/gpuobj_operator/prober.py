@@ -57,35 +57,54 @@ class Prober:
 
     async def run(self) -> None:
         """Probe every agent pod's /v1/info: which process (incarnation) lives, or none (see liveness.py);
-        each probe also tells the agent its pod's share of the fleet's write budget."""
+        each probe also tells the agent its pod's share of the fleet's write budget.
+
+        Each probe is a task of its own, so a probe asked for now (a restart, a new share) starts now: it
+        never waits for a round of backstop probes to finish, some of which may wait out their time-out on
+        an agent that is restarting. At most 32 run at once; one pod has at most one in flight."""
         limit = asyncio.Semaphore(32)
         self._probe_wake = wake = asyncio.Event()
+        in_flight: dict[Key, asyncio.Task[None]] = {}
 
         async def one(pod: PodInfo) -> None:
-            async with limit:
-                try:
+            try:
+                async with limit:
                     await self.probe(pod)
-                except Exception:  # a bug must show, and must not stop the other probes
-                    log.exception("probe of the agent of %s/%s failed", *pod.key)
-                    self._probe_asked.pop(pod.key, None)
-                    self._probe_due[pod.key] = time.monotonic() + self.settings.liveness_interval
+            except Exception:  # a bug must show, and must not stop the other probes
+                log.exception("probe of the agent of %s/%s failed", *pod.key)
+                self._probe_asked.pop(pod.key, None)
+                self._probe_due[pod.key] = time.monotonic() + self.settings.liveness_interval
+            finally:
+                in_flight.pop(pod.key, None)
+                if self._probe_due.get(pod.key, float("inf")) <= time.monotonic():
+                    wake.set()  # asked for again while it ran: probe it again now
 
-        while True:
-            wake.clear()
-            now = time.monotonic()
-            pods = self.ledger.agent_pods() if self.ledger.synced else []
-            self.write_share = write_share(self.settings.fleet_write_budget, len(pods), self.settings.shard.count)
-            due = [p for p in pods if self._probe_due.get(p.key, 0.0) <= now]
-            if due:
-                await asyncio.gather(*(one(p) for p in due), return_exceptions=True)
-            # Wake for the next round, or sooner for a probe a new share asked for (PROBE_GAP after the last).
-            timeout = self.settings.liveness_interval / 2
-            asked = [self._probe_due[p.key] for p in pods if p.key in self._probe_asked and p.key in self._probe_due]
-            if asked:
-                timeout = max(0.005, min(timeout, min(asked) - time.monotonic()))
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):  # not wait_for: on 3.11 it may swallow a shutdown's cancel
-                    await wake.wait()
+        try:
+            while True:
+                wake.clear()
+                now = time.monotonic()
+                pods = self.ledger.agent_pods() if self.ledger.synced else []
+                self.write_share = write_share(self.settings.fleet_write_budget, len(pods), self.settings.shard.count)
+                for pod in pods:
+                    if pod.key not in in_flight and self._probe_due.get(pod.key, 0.0) <= now:
+                        in_flight[pod.key] = asyncio.create_task(one(pod), name=f"probe-{pod.key[0]}/{pod.key[1]}")
+                # Wake for the next round, or sooner for a probe a new share asked for (PROBE_GAP after the last).
+                timeout = self.settings.liveness_interval / 2
+                asked = [
+                    self._probe_due[p.key]
+                    for p in pods
+                    if p.key in self._probe_asked and p.key in self._probe_due and p.key not in in_flight
+                ]
+                if asked:
+                    timeout = max(0.005, min(timeout, min(asked) - time.monotonic()))
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(timeout):  # not wait_for: on 3.11 it may swallow a shutdown's cancel
+                        await wake.wait()
+        finally:
+            for task in in_flight.values():
+                task.cancel()
+            if in_flight:
+                await asyncio.gather(*in_flight.values(), return_exceptions=True)
 
     def new_agent(self, pod: Key) -> None:
         """A pod whose agent the operator has not probed yet: with a fleet write budget, probe it now, and
