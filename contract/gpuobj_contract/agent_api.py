@@ -190,8 +190,16 @@ class AgentInfo:
             nixl_agents=tuple(str(n) for n in data.get("nixlAgents") or ()),
             started_at=str(data.get("startedAt", "")),
             endpoint=str(data.get("endpoint", "")),
-            write_rate=None if data.get("writeRate") is None else float(data["writeRate"]),
+            write_rate=_rate_or_none(data.get("writeRate")),
         )
+
+
+def _rate_or_none(value: Any) -> float | None:
+    """INFO's writeRate as a number, or None when absent or not one (an older or broken agent's answer
+    must not fail a probe: the rate only says what the agent was told)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
 
 
 @dataclass(frozen=True)

@@ -278,3 +278,12 @@ def test_a_bad_free_or_read_request_is_a_request_error_naming_its_field(shape: t
 def test_request_errors_are_value_errors_and_name_the_allowed_fields() -> None:
     with pytest.raises(ValueError, match=r"allowed: \['reason', 'waitFence'\]"):
         api.FreeRequest.from_json({"colour": "red"})
+
+
+def test_info_reads_the_told_write_rate_and_ignores_one_that_is_not_a_number() -> None:
+    base = {"pod": "p", "namespace": "n", "podUID": "u", "incarnation": "i"}
+    assert api.AgentInfo.from_json({**base, "writeRate": 0.25}).write_rate == 0.25
+    for odd in (None, "fast", True, [1]):
+        assert api.AgentInfo.from_json({**base, "writeRate": odd}).write_rate is None
+    told = api.AgentInfo("p", "n", "u", "i", write_rate=2.0)
+    assert api.AgentInfo.from_json(told.to_json()) == told
