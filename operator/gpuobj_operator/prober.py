@@ -76,8 +76,8 @@ class Prober:
                 self._probe_due[pod.key] = time.monotonic() + self.settings.liveness_interval
             finally:
                 in_flight.pop(pod.key, None)
-                if self._probe_due.get(pod.key, float("inf")) <= time.monotonic():
-                    wake.set()  # asked for again while it ran: probe it again now
+                if pod.key in self._probe_asked:
+                    wake.set()  # still asked for: the loop's next wake-up is this pod's next probe
 
         try:
             while True:
@@ -173,9 +173,13 @@ class Prober:
         asked = self._probe_asked.get(pod.key, float("-inf"))
         if asked >= started:
             self._probe_due[pod.key] = started  # asked for while this probe ran: it may predate the share
-        elif liveness.agents[pod.key].incarnation is None and started - asked < ASKED_PROBING_SECONDS:
+        elif (failure is not None or liveness.agents[pod.key].incarnation is None) and (
+            started - asked < ASKED_PROBING_SECONDS
+        ):
             # Asked for (a share to scope, a restart) and nothing answers yet: a process that is still
-            # starting must be reached as soon as it listens, not at the next backstop probe.
+            # starting must be reached as soon as it listens, not at the next backstop probe. A refusal
+            # counts too before it is confirmed (the old process is still the last one seen): the kubelet
+            # reports a restart when the container starts, before its agent listens.
             self._probe_due[pod.key] = min(self._probe_due[pod.key], started + ASKED_PROBE_GAP)
         else:
             self._probe_asked.pop(pod.key, None)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 
 import pytest
 
 from gpuobj_contract.agent_api import AgentInfo
 from gpuobj_kube.client import PODS
+from gpuobj_operator.agent_client import AgentGone
 from gpuobj_operator.metrics import OperatorMetrics
 from gpuobj_operator.reconciler import Reconciler
 from gpuobj_operator.settings import Settings
@@ -106,5 +108,47 @@ def test_a_new_agent_pods_first_event_still_records_its_container_run() -> None:
         restarted["status"]["containerStatuses"] = [{**status, "restartCount": 1, "containerID": "containerd://b"}]
         r.on_pod("MODIFIED", api.put(PODS, restarted))
         assert (NS, "new") in r.prober._probe_asked  # the restart was seen as one: probed at once
+
+    asyncio.run(go())
+
+
+class RestartingAgents(ProbedAgents):
+    """An agent whose new process listens only after two probes were refused (the kubelet reported the
+    restart first)."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.refused = 0
+        self.answered_new = asyncio.Event()
+
+    async def info(self, endpoint, *, pod_uid, timeout=None, write_rate=None):
+        if self.refused < 2:
+            self.refused += 1
+            raise AgentGone("connection refused")
+        self.answered_new.set()
+        return AgentInfo(pod="", namespace=NS, pod_uid=pod_uid, incarnation="inc-new")
+
+
+def test_a_restarted_agent_refused_at_first_is_probed_again_until_its_new_process_answers() -> None:
+    """A probe asked for at a restart may find nothing listening yet: the refusal (confirmed or not) keeps
+    the pod asked for, probed every ASKED_PROBE_GAP, not dropped to the backstop interval (40 s once gone)."""
+
+    async def go() -> None:
+        r, _, _ = reconciler(0.0, 1)
+        agents = RestartingAgents()
+        r.prober.agents = agents  # type: ignore[assignment]
+        await r.sync()
+        key = (NS, "p0")
+        r.ledger.liveness.observe_alive(key, "uid-p0", "inc-old", 0.0)
+        r.prober._probe_due[key] = time.monotonic() + 1000  # probed a moment ago: next backstop far off
+        r.prober.probe_soon(key)
+        task = asyncio.create_task(r.prober.run())
+        try:
+            async with asyncio.timeout(5):
+                await agents.answered_new.wait()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert agents.refused == 2 and r.ledger.liveness.agents[key].incarnation == "inc-new"
 
     asyncio.run(go())
