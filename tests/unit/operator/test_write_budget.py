@@ -56,18 +56,23 @@ def reconciler(budget: float, pods: int, shards: int = 1) -> tuple[Reconciler, P
     return r, agents, api
 
 
+async def probe_until(r: Reconciler, done: asyncio.Event, timeout: float) -> None:
+    """Run the operator's prober until ``done`` is set (at most ``timeout`` s), then stop it."""
+    task = asyncio.create_task(r.prober.run())
+    try:
+        async with asyncio.timeout(timeout):
+            await done.wait()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 @pytest.mark.parametrize(("budget", "told"), [(100.0, 25.0), (0.0, 0.0)])
 def test_every_probe_tells_the_agent_its_share_and_no_budget_is_told_as_0(budget: float, told: float) -> None:
     async def go() -> None:
         r, agents, _ = reconciler(budget, 4)
         await r.sync()
-        task = asyncio.create_task(r.prober.run())
-        try:
-            async with asyncio.timeout(10):
-                await agents.all_told.wait()
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await probe_until(r, agents.all_told, 10)
         assert agents.told == {f"uid-p{i}": told for i in range(4)}
 
     asyncio.run(go())
@@ -142,13 +147,7 @@ def test_a_restarted_agent_refused_at_first_is_probed_again_until_its_new_proces
         r.ledger.liveness.observe_alive(key, "uid-p0", "inc-old", 0.0)
         r.prober._probe_due[key] = time.monotonic() + 1000  # probed a moment ago: next backstop far off
         r.prober.probe_soon(key)
-        task = asyncio.create_task(r.prober.run())
-        try:
-            async with asyncio.timeout(5):
-                await agents.answered_new.wait()
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await probe_until(r, agents.answered_new, 5)
         assert agents.refused == 2 and r.ledger.liveness.agents[key].incarnation == "inc-new"
 
     asyncio.run(go())
