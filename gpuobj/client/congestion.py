@@ -183,16 +183,24 @@ class FleetPace:
         self.waits = 0  # writes that waited for their slot (the client's stats)
         self.waited_s = 0.0  # seconds they waited in all
 
-    def reserve(self) -> float:
-        """Take the next slot: the seconds until it (0: now). Pure but for the clock and the draw."""
+    def _told(self) -> tuple[float, float] | None:
+        """(now, the interval at the share told now), or None without a share. A new share moves a slot
+        planned at a slower rate forward: it must not hold the next write at the new one."""
         rate = self.rate()
         if not rate or rate <= 0:
-            return 0.0
+            return None
         now, interval = self.clock(), 1.0 / rate
         if interval != self._interval:
-            # A new share: a slot planned at a slower rate must not hold the first write at the new one.
             self._next = min(self._next, now + interval)
             self._interval = interval
+        return now, interval
+
+    def reserve(self) -> float:
+        """Take the next slot: the seconds until it (0: now). Pure but for the clock and the draw."""
+        told = self._told()
+        if told is None:
+            return 0.0
+        now, interval = told
         if self._next < now:  # idle: start again at a random phase within one interval
             self._next = now + self.draw() * interval
         tolerance = max(0.0, BURST_S - interval)
@@ -210,14 +218,10 @@ class FleetPace:
         one): the schedule moves on by one interval all the same, so the writes that come next wait for it.
         Why: a family's create, claim and the owner's delete sent one interval apart would each land as
         a change of their own, and the operator would write a status for each; together they settle once."""
-        rate = self.rate()
-        if not rate or rate <= 0:
-            return
-        now, interval = self.clock(), 1.0 / rate
-        if interval != self._interval:
-            self._next = min(self._next, now + interval)
-            self._interval = interval
-        self._next = max(self._next, now) + interval
+        told = self._told()
+        if told is not None:
+            now, interval = told
+            self._next = max(self._next, now) + interval
 
     def give_back(self, unspent: float) -> None:
         """A write that waited for its slot will not be sent (it was taken back, ``unspent`` seconds before
